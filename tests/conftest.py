@@ -1,0 +1,71 @@
+"""Shared fixtures: the demo model, real SGLang servers (one per configuration, shared by the
+whole session and always stopped by PID), HF transformers as the float32 reference, and real
+long prompts from the Python standard library."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from vericache_sglang import models  # noqa: E402
+from vericache_sglang.server_process import ServerProcess  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_models() -> models.PreparedModels:
+    return models.prepare()
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_models: models.PreparedModels) -> Path:
+    return demo_models.target
+
+
+@pytest.fixture(scope="session")
+def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
+    """The demo model served in float32 with VeriCache enabled (non-default settings)."""
+    server = ServerProcess(demo_model, [
+        "--dtype", "float32",
+        "--enable-vericache",
+        "--vericache-compressor", "kivi:bits=4",
+        "--vericache-draft-length", "8",
+        "--vericache-full-tier-budget", "2GiB",
+    ])
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def hf_reference(demo_model: Path):
+    """Greedy decoding with HF transformers in float32: the ground truth for identity tests."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+
+    def greedy(input_ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=tokenizer.eos_token_id,
+            )
+        return out[0, len(input_ids):].tolist()
+
+    greedy.tokenizer = tokenizer
+    return greedy
+
+
+def stdlib_source(module_name: str) -> str:
+    """The source of a Python standard library module: long, real text nobody here wrote."""
+    import importlib
+
+    return inspect.getsource(importlib.import_module(module_name))

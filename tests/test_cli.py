@@ -1,0 +1,66 @@
+"""`python -m sglang.launch_server` shows VeriCache's flags and refuses bad values at startup
+with one readable line and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BAD_FLAGS = {
+    "unknown compressor": (["--enable-vericache", "--vericache-compressor", "zip:level=3"],
+                           "zip"),
+    "zero draft length": (["--enable-vericache", "--vericache-draft-length", "0"],
+                          "--vericache-draft-length"),
+    "negative draft length": (["--enable-vericache", "--vericache-draft-length=-4"],
+                              "--vericache-draft-length"),
+    "budget not a size": (["--enable-vericache", "--vericache-full-tier-budget", "lots"],
+                          "--vericache-full-tier-budget"),
+    "bad placement": (["--enable-vericache", "--vericache-full-tier", "cloud"],
+                      "--vericache-full-tier"),
+    "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
+}
+
+
+def _launch(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "sglang.launch_server", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def bad_launches(demo_model) -> dict[str, tuple[int, str]]:
+    """Start every bad launch at once (each spends ~20 s importing SGLang), then collect."""
+    procs = {
+        name: _launch(["--model-path", str(demo_model), "--port", "1", *args])
+        for name, (args, _) in BAD_FLAGS.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, stderr)
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FLAGS))
+def test_bad_flag_fails_with_one_line(bad_launches, case):
+    returncode, stderr = bad_launches[case]
+    assert returncode != 0
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("vericache: error:")]
+    assert len(errors) == 1, stderr
+    assert BAD_FLAGS[case][1] in errors[0]
+    assert stderr.rstrip().splitlines()[-1] == errors[0]
+
+
+def test_help_lists_vericache_flags():
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0
+    for flag in ("--enable-vericache", "--vericache-compressor", "--vericache-draft-length",
+                 "--vericache-max-draft-length", "--vericache-full-tier",
+                 "--vericache-full-tier-budget"):
+        assert flag in out.stdout
+    assert "VeriCache" in out.stdout

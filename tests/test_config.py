@@ -1,0 +1,76 @@
+"""VeriCache's settings: defaults, conversion from CLI strings and Python values, and one clear
+message per invalid value."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1000000", 1_000_000),
+    ("512MB", 512 * 1000**2),
+    ("512M", 512 * 1000**2),
+    ("8GiB", 8 * 1024**3),
+    ("8gi", 8 * 1024**3),
+    ("1.5G", 1_500_000_000),
+    ("64 KiB", 64 * 1024),
+    ("2T", 2 * 1000**4),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "8 parsecs", "-1G", "G", "1.2.3M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_defaults_without_flags():
+    config = VeriCacheConfig.build({})
+    assert config.enable_vericache is False
+    assert config.vericache_draft_length == 16
+    assert config.vericache_max_draft_length == 64
+
+
+def test_cli_strings_are_converted():
+    config = VeriCacheConfig.build({
+        "enable_vericache": True,
+        "vericache_draft_length": "32",
+        "vericache_full_tier": "disk",
+        "vericache_full_tier_budget": "4GiB",
+    })
+    assert config.vericache_draft_length == 32
+    assert config.vericache_full_tier == "disk"
+    assert config.vericache_full_tier_budget == 4 * 1024**3
+
+
+def test_engine_values_are_accepted():
+    config = VeriCacheConfig.build({"enable_vericache": True, "vericache_draft_length": 24,
+                                    "vericache_full_tier_budget": 10**9})
+    assert config.vericache_draft_length == 24
+    assert config.vericache_full_tier_budget == 10**9
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"vericache_draft_length": "0"}, "--vericache-draft-length must be a positive integer"),
+    ({"vericache_draft_length": -3}, "--vericache-draft-length must be a positive integer"),
+    ({"vericache_draft_length": "many"}, "--vericache-draft-length"),
+    ({"vericache_draft_length": 2.5}, "--vericache-draft-length"),
+    ({"vericache_max_draft_length": "8"}, "min-draft-length <= --vericache-draft-length"),
+    ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
+    ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
+    ({"vericache_full_tier_budget": "0"}, "--vericache-full-tier-budget must be a positive size"),
+    ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
+])
+def test_invalid_values_raise_one_clear_error(values, message):
+    with pytest.raises(VeriCacheConfigError, match=message) as info:
+        VeriCacheConfig.build({"enable_vericache": True, **values})
+    assert "\n" not in str(info.value)
+
+
+def test_options_without_enable_are_refused():
+    with pytest.raises(VeriCacheConfigError, match="given without --enable-vericache"):
+        VeriCacheConfig.build({"vericache_draft_length": 8})

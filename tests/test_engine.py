@@ -1,0 +1,36 @@
+"""The VeriCache settings work from `sglang.Engine(...)` as they do from the launcher."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache_sglang.config import VeriCacheConfigError
+
+pytestmark = pytest.mark.server
+
+
+def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):
+    import sglang
+
+    engine = sglang.Engine(
+        model_path=str(demo_model), dtype="float32", max_total_tokens=8192,
+        enable_vericache=True, vericache_draft_length=12, vericache_compressor="kivi:bits=8",
+    )
+    try:
+        info = engine.get_server_info()["vericache"]
+        assert info["enable_vericache"] is True
+        assert info["vericache_draft_length"] == 12
+        assert "bits=8" in info["vericache_compressor"]
+        ids = hf_reference.tokenizer("class Stack:\n    def __init__(self):")["input_ids"]
+        out = engine.generate(input_ids=ids, sampling_params={
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+        assert out["output_ids"] == hf_reference(ids, 24)
+    finally:
+        engine.shutdown()
+
+
+def test_engine_refuses_bad_vericache_values(demo_model):
+    import sglang
+
+    with pytest.raises(VeriCacheConfigError, match="--vericache-draft-length must be a positive"):
+        sglang.Engine(model_path=str(demo_model), enable_vericache=True, vericache_draft_length=0)

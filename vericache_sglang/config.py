@@ -1,0 +1,200 @@
+"""VeriCache's settings: one dataclass, the CLI flags derived from it, and their validation.
+
+The same fields arrive as `--vericache-*` flags on `sglang.launch_server` and as
+`vericache_*` keyword arguments of `sglang.Engine`; both go through `VeriCacheConfig.build`, so
+a bad value gets the same one-line message either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL_TIER_PLACEMENTS = ("device", "host", "disk")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+class VeriCacheConfigError(ValueError):
+    """An invalid VeriCache setting; the message is the one line the user sees."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `512MB`, `8GiB`, `1.5G` or `1000000`.
+
+    K/M/G/T are decimal (1000^n), Ki/Mi/Gi/Ti binary (1024^n), as in Kubernetes quantities.
+    """
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 8GiB, 2G, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    base = 1024 if unit.endswith("i") else 1000
+    return int(number * base ** _SIZE_POWERS[unit[:1]])
+
+
+def _validated_compressor(spec: str) -> str:
+    from vericache_sglang.compress import CompressorSpecError, parse_compressor_spec
+
+    try:
+        return parse_compressor_spec(spec).spec()
+    except CompressorSpecError as e:
+        raise VeriCacheConfigError(f"--vericache-compressor: {e}") from None
+
+
+@dataclass(frozen=True)
+class VeriCacheConfig:
+    """Resolved VeriCache settings. Each field's `help` metadata is its `--help` text."""
+
+    enable_vericache: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve lossless: draft tokens on a compressed KV tier kept on the device, "
+            "verify them in one forward over the full-precision KV. Output equals plain SGLang."
+        },
+    )
+    vericache_compressor: str = field(
+        default="kivi:bits=4,group=32,residual=128",
+        metadata={
+            "help": "How the compressed tier is made, as METHOD:key=value,... ; '+' composes "
+            "(e.g. 'snapkv:ratio=0.5+kivi:bits=4'). Methods: kivi (quantization), streaming, "
+            "snapkv, h2o (token dropping).",
+        },
+    )
+    vericache_draft_length: int = field(
+        default=16,
+        metadata={"help": "Draft tokens per verification round at the start of a request."},
+    )
+    vericache_min_draft_length: int = field(
+        default=4,
+        metadata={"help": "Lower bound of the adaptive draft length."},
+    )
+    vericache_max_draft_length: int = field(
+        default=64,
+        metadata={"help": "Upper bound of the adaptive draft length."},
+    )
+    vericache_full_tier: str = field(
+        default="host",
+        metadata={
+            "help": "Where the full-precision KV lives: 'device' (GPU memory), 'host' (CPU "
+            "memory), or 'disk'.",
+            "choices": FULL_TIER_PLACEMENTS,
+        },
+    )
+    vericache_full_tier_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most bytes the full tier may hold on host or disk, e.g. 8GiB or 512MB "
+            "(K/M/G decimal, Ki/Mi/Gi binary).",
+            "parse": parse_size,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("vericache_draft_length", "vericache_min_draft_length",
+                     "vericache_max_draft_length"):
+            if getattr(self, name) < 1:
+                raise VeriCacheConfigError(
+                    f"{_flag(name)} must be a positive integer, got {getattr(self, name)}"
+                )
+        if not (self.vericache_min_draft_length <= self.vericache_draft_length
+                <= self.vericache_max_draft_length):
+            raise VeriCacheConfigError(
+                "draft lengths must satisfy --vericache-min-draft-length <= "
+                "--vericache-draft-length <= --vericache-max-draft-length, got "
+                f"{self.vericache_min_draft_length} <= {self.vericache_draft_length} <= "
+                f"{self.vericache_max_draft_length}"
+            )
+        if self.vericache_full_tier not in FULL_TIER_PLACEMENTS:
+            raise VeriCacheConfigError(
+                f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "
+                f"got {self.vericache_full_tier!r}"
+            )
+        if self.vericache_full_tier_budget is not None and self.vericache_full_tier_budget <= 0:
+            raise VeriCacheConfigError("--vericache-full-tier-budget must be a positive size")
+        object.__setattr__(
+            self, "vericache_compressor", _validated_compressor(self.vericache_compressor)
+        )
+
+    @classmethod
+    def build(cls, values: dict[str, Any]) -> VeriCacheConfig:
+        """Make a config from raw values (strings from the CLI or Python values from Engine).
+
+        Unset (None) values take their defaults. Setting `--vericache-*` options without
+        `--enable-vericache` is an error rather than a silent no-op.
+        """
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = values.get(f.name)
+            if raw is None:
+                continue
+            kwargs[f.name] = _convert(f, raw)
+        if not kwargs.get("enable_vericache") and len(kwargs) > ("enable_vericache" in kwargs):
+            given = sorted(_flag(k) for k in kwargs if k != "enable_vericache")
+            raise VeriCacheConfigError(f"{', '.join(given)} given without --enable-vericache")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as `/server_info` reports them, under their field names."""
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _convert(f: dataclasses.Field, raw: Any) -> Any:
+    parse = f.metadata.get("parse")
+    try:
+        if parse is not None:
+            return parse(raw) if isinstance(raw, str) else int(raw)
+        if f.type in ("bool", bool):
+            return _parse_bool(raw)
+        if f.type in ("int", int):
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lstrip("+-").isdigit():
+                return int(raw)
+            raise ValueError(f"{raw!r} is not an integer")
+        return str(raw)
+    except ValueError as e:
+        raise VeriCacheConfigError(f"{_flag(f.name)}: {e}") from None
+
+
+def _parse_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not a boolean")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `--enable-vericache` / `--vericache-*` flags as one help group.
+
+    Values are kept as given (default None) and validated by `VeriCacheConfig.build`, so an
+    error is one line naming the flag, not argparse's usage dump of every SGLang flag.
+    """
+    group = parser.add_argument_group("VeriCache (lossless drafting on a compressed KV tier)")
+    for f in dataclasses.fields(VeriCacheConfig):
+        if f.type in ("bool", bool):
+            group.add_argument(_flag(f.name), action="store_true", default=None,
+                               help=f.metadata["help"])
+            continue
+        default = f.default if f.default is not None else "unlimited"
+        help_text = f"{f.metadata['help']} (default: {default})"
+        if "choices" in f.metadata:
+            help_text += f" Choices: {', '.join(f.metadata['choices'])}."
+        group.add_argument(_flag(f.name), type=str, default=None, metavar=f.name[10:].upper(),
+                           help=help_text.replace("%", "%%"))
+
+
+def option_names() -> tuple[str, ...]:
+    """The field names that also serve as `sglang.Engine` keyword arguments."""
+    return tuple(f.name for f in dataclasses.fields(VeriCacheConfig))

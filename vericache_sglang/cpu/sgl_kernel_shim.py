@@ -1,0 +1,110 @@
+"""Torch implementations of the `sgl_kernel` names SGLang's CPU engine imports.
+
+No CPU build of sgl-kernel is on PyPI, yet SGLang's CPU engine imports a handful of its ops at
+module level. This module stands in for the package on machines without a GPU (see
+`vericache_sglang.cpu.finder`): ops our code paths call are implemented in torch; every other
+name resolves to a callable that raises, naming the op, so nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+__version__ = "0.0.0+vericache.cpu"
+IS_VERICACHE_CPU_SHIM = True
+
+
+class MissingCpuKernelError(NotImplementedError):
+    """An sgl_kernel op was called that has no CPU implementation here."""
+
+
+def _segment_offsets(start_offset: torch.Tensor, end_offset: torch.Tensor) -> list[int]:
+    lengths = (end_offset - start_offset).tolist()
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """Write each request's new KV slots into its row of the req->token map."""
+    del pool_len  # rows are addressed through req_to_token itself
+    offsets = _segment_offsets(start_offset, end_offset)
+    rows = req_pool_indices.tolist()
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    for i, row in enumerate(rows):
+        req_to_token[row, starts[i] : ends[i]] = out_cache_loc[offsets[i] : offsets[i + 1]].to(
+            req_to_token.dtype
+        )
+
+
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor,
+    strides: torch.Tensor,
+    tgt_loc: torch.Tensor,
+    src_loc: torch.Tensor,
+) -> None:
+    """Copy KV rows src->tgt in every buffer, given raw base pointers and row strides in bytes.
+
+    All source rows of a buffer are read before any target is written, as in the GPU kernel,
+    so overlapping moves (compaction after speculative verification) are safe.
+    """
+    src = src_loc.tolist()
+    tgt = tgt_loc.tolist()
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
+        rows = [ctypes.string_at(base + s * stride, stride) for s in src]
+        for t, row in zip(tgt, rows, strict=True):
+            ctypes.memmove(base + t * stride, row, stride)
+
+
+def fill_accept_out_cache_loc_cpu(
+    accept_index: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    accept_out_cache_loc: torch.Tensor,
+) -> None:
+    """Compact the KV slots of accepted draft tokens (accept_index == -1 marks rejected)."""
+    kept = accept_index[accept_index != -1]
+    accept_out_cache_loc[: kept.numel()] = out_cache_loc[kept]
+
+
+IMPLEMENTED: dict[str, Callable] = {
+    f.__name__: f
+    for f in (
+        assign_req_to_token_pool_cpu,
+        copy_all_layer_kv_cache_cpu,
+        fill_accept_out_cache_loc_cpu,
+    )
+}
+
+
+def _missing(name: str) -> Callable:
+    def op(*args, **kwargs):
+        raise MissingCpuKernelError(
+            f"sgl_kernel.{name} has no CPU implementation (vericache-sglang provides "
+            f"sgl_kernel on machines without a GPU only for: {', '.join(sorted(IMPLEMENTED))})"
+        )
+
+    op.__name__ = name
+    op.__qualname__ = name
+    return op
+
+
+def __getattr__(name: str) -> Callable:
+    # Module-level imports of unimplemented ops must succeed (SGLang imports many it never
+    # calls on CPU); calling one raises with its name.
+    if name.startswith("__"):
+        raise AttributeError(name)
+    op = _missing(name)
+    globals()[name] = op
+    return op

