@@ -1,0 +1,98 @@
+"""KV-compression kernels: Triton on CUDA tensors, the torch reference everywhere else.
+
+Callers (the compressors) use only the functions here, so one code path serves GPU serving and
+CPU tests; the Triton modules are imported on first CUDA use, never on a CPU-only run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout
+from .attention_ref import decode_attention_ref, merge_attention
+from .layout import PackedKV
+from .quant_ref import SUPPORTED_BITS, check_packing, dequantize_unpack_ref, quantize_pack_ref
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "PackedKV",
+    "check_packing",
+    "decode_attention",
+    "dequantize_keys",
+    "dequantize_unpack",
+    "dequantize_values",
+    "merge_attention",
+    "quantize_keys",
+    "quantize_pack",
+    "quantize_values",
+]
+
+
+def quantize_pack(
+    x: torch.Tensor, group: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, L] -> (codes uint8 [R, L*bits/8], scale fp16, zero fp16 [R, L/group])."""
+    if x.is_cuda:
+        from .quant_triton import quantize_pack_triton
+
+        return quantize_pack_triton(x, group, bits)
+    return quantize_pack_ref(x, group, bits)
+
+
+def dequantize_unpack(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of `quantize_pack`: codes [R, L*bits/8] -> x [R, L] in `dtype`."""
+    if codes.is_cuda:
+        from .quant_triton import dequantize_unpack_triton
+
+        return dequantize_unpack_triton(codes, scale, zero, group, bits, dtype)
+    return dequantize_unpack_ref(codes, scale, zero, group, bits, dtype)
+
+
+def quantize_keys(keys: torch.Tensor, group: int, bits: int) -> layout.QKV:
+    """Keys [n, H, D] per channel over token groups -> (codes, scale, zero); see `layout`."""
+    return layout.quantize_keys(keys, group, bits, quantize_pack)
+
+
+def quantize_values(values: torch.Tensor, v_group: int, bits: int) -> layout.QKV:
+    """Values [n, H, D] per token over channel groups -> (codes, scale, zero); see `layout`."""
+    return layout.quantize_values(values, v_group, bits, quantize_pack)
+
+
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize_keys`."""
+    return layout.dequantize_keys(codes, scale, zero, bits, dtype, dequantize_unpack)
+
+
+def dequantize_values(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Inverse of `quantize_values`."""
+    return layout.dequantize_values(codes, scale, zero, bits, dtype, dequantize_unpack)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    packed: PackedKV | None,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    res_lengths: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per request over packed K/V plus fp residual: (out, lse), float32.
+
+    q [B, Hq, D]; packed: `PackedKV` or None; k_res/v_res [B, R, H, D]; res_lengths [B].
+    """
+    if q.is_cuda:
+        from .attention_triton import decode_attention_triton
+
+        return decode_attention_triton(q, packed, k_res, v_res, res_lengths, sm_scale)
+    return decode_attention_ref(q, packed, k_res, v_res, res_lengths, sm_scale)

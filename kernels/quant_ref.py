@@ -1,0 +1,67 @@
+"""Torch reference for packed asymmetric quantization: the CPU path and the Triton kernels' oracle.
+
+Format (shared with `quant_triton`): a matrix x [rows, length] is cut along `length` into groups
+of `group` elements. Each (row, group) stores an fp16 `zero` = min and an fp16 `scale` =
+(max - min) / (2**bits - 1); codes are round((x - zero) / scale) clamped to [0, 2**bits - 1],
+computed with the fp16-rounded scale and zero so that dequantization uses exactly what was
+stored. Codes are packed 8 // bits per uint8, element j of a byte at bit offset j * bits.
+Rounding is floor(y + 0.5) in float32 in both implementations so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def check_packing(length: int, group: int, bits: int) -> None:
+    """Reject shapes the packed format cannot hold, before any kernel sees them."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    per_byte = 8 // bits
+    if group <= 0 or length % group or group % per_byte:
+        raise ValueError(
+            f"cannot pack rows of {length} into groups of {group} at {bits} bits: the group must "
+            f"divide the row and be a multiple of {per_byte}"
+        )
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(8 // bits, device=device, dtype=torch.int32) * bits
+
+
+def quantize_pack_ref(
+    x: torch.Tensor, group: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, L] -> (codes uint8 [R, L*bits/8], scale fp16 [R, L/group], zero fp16 [R, L/group])."""
+    rows, length = x.shape
+    check_packing(length, group, bits)
+    qmax = (1 << bits) - 1
+    xf = x.float().reshape(rows, length // group, group)
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    scale = ((hi - lo) / qmax).half()
+    zero = lo.half()
+    step = scale.float()
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.floor((xf - zero.float()[..., None]) / step[..., None] + 0.5).clamp_(0, qmax)
+    codes = codes.to(torch.int32).reshape(rows, length // (8 // bits), 8 // bits)
+    packed = (codes << _shifts(bits, x.device)).sum(-1).to(torch.uint8)
+    return packed, scale, zero
+
+
+def dequantize_unpack_ref(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of `quantize_pack_ref`: codes [R, L*bits/8] -> x [R, L] in `dtype`."""
+    rows, length = codes.shape[0], codes.shape[1] * (8 // bits)
+    check_packing(length, group, bits)
+    unpacked = (codes.to(torch.int32)[..., None] >> _shifts(bits, codes.device)) & ((1 << bits) - 1)
+    unpacked = unpacked.reshape(rows, length // group, group).float()
+    out = unpacked * scale.float()[..., None] + zero.float()[..., None]
+    return out.reshape(rows, length).to(dtype)

@@ -1,0 +1,61 @@
+"""Independent oracles for the compressor tests: attention, expected bytes, error bounds."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Plain softmax attention of q [Hq, D] over keys/values [n, H, D] (GQA), float32."""
+    group = q.shape[0] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, 1)
+    v = values.float().repeat_interleave(group, 1)
+    probs = (torch.einsum("hd,nhd->hn", q.float(), k) * scaling).softmax(-1)
+    return torch.einsum("hn,nhd->hd", probs, v)
+
+
+def quant_error_bound(x: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Largest error of asymmetric min/max quantization of groups x [..., G] (any leading
+    dims), derived from the format: codes use the fp16-rounded scale s16 and zero z16, so
+    |x - deq| <= s16/2 + |z16 - min| + qmax * |s16 - s|, plus float32 arithmetic and the rounding
+    of the result to `dtype`. Returned per element, broadcast over the group."""
+    qmax = (1 << bits) - 1
+    x = x.float()
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    s = (hi - lo) / qmax
+    s16, z16 = s.half().float(), lo.half().float()
+    bound = s16 / 2 + (z16 - lo).abs() + qmax * (s16 - s).abs()
+    magnitude = x.abs().amax(-1, keepdim=True) + qmax * s16 + bound
+    arithmetic = 8 * 2.0**-24 * magnitude
+    output = 2.0 ** -(MANTISSA_BITS[dtype] + 1) * magnitude
+    return (bound + arithmetic + output).expand_as(x)
+
+
+def key_groups(keys: torch.Tensor, group: int) -> torch.Tensor:
+    """[n, H, D] (n a multiple of group) -> [n/group, H, D, group]: one key group per row."""
+    n, heads, dim = keys.shape
+    return keys.reshape(n // group, group, heads, dim).permute(0, 2, 3, 1)
+
+
+def value_groups(values: torch.Tensor, group: int) -> torch.Tensor:
+    """[n, H, D] -> [n, H, D/v_group, v_group] with v_group = gcd(group, D)."""
+    n, heads, dim = values.shape
+    v_group = math.gcd(group, dim)
+    return values.reshape(n, heads, dim // v_group, v_group)
+
+
+def kivi_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, residual: int,
+               dtype_bytes: int) -> int:
+    """Bytes of plain KIVI storage computed from the shapes alone."""
+    quantized = max(tokens - residual, 0) // group * group
+    codes = 2 * quantized * heads * dim * bits // 8
+    key_meta = 2 * 2 * (quantized // group) * heads * dim
+    value_meta = 2 * 2 * quantized * heads * (dim // math.gcd(group, dim))
+    full = 2 * (tokens - quantized) * heads * dim * dtype_bytes
+    return codes + key_meta + value_meta + full
