@@ -13,7 +13,7 @@ def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):
     import sglang
 
     engine = sglang.Engine(
-        model_path=str(demo_model), dtype="float32", max_total_tokens=8192,
+        model_path=str(demo_model), dtype="float32", max_total_tokens=8192, sleep_on_idle=True,
         enable_vericache=True, vericache_draft_length=12, vericache_compressor="kivi:bits=8",
     )
     try:

@@ -15,6 +15,7 @@ import textwrap
 import time
 
 from vericache_sglang import models
+from vericache_sglang.cpu.finder import nvidia_gpu_present
 from vericache_sglang.server_process import ServerProcess
 
 NOT_BUILT_YET = (
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--vericache-compressor for the server (default: %(default)s)")
     parser.add_argument("--draft-length", type=int, default=16,
                         help="--vericache-draft-length for the server (default: %(default)s)")
+    parser.add_argument("--dtype", default=None,
+                        help="--dtype for the server (default: float32 without a GPU, where "
+                        "bf16 matmuls are emulated and slower; else the model's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--context-chars", type=int, default=9000,
                         help="characters of textwrap.py used as the long prompt")
@@ -44,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model = models.prepare().target
     print(f"model: {model}")
+    dtype = args.dtype or ("auto" if nvidia_gpu_present() else "float32")
     server = ServerProcess(model, [
+        "--dtype", dtype,
         "--enable-vericache",
         "--vericache-compressor", args.compressor,
         "--vericache-draft-length", str(args.draft_length),

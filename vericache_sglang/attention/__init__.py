@@ -1,0 +1,1 @@
+"""Attention backends that read VeriCache tiers."""

@@ -1,0 +1,1 @@
+"""KV tiers: the compressed tier on the device beside the full-precision tier."""

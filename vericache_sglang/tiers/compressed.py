@@ -1,0 +1,105 @@
+"""The compressed tier: per request and layer, a compressed copy of the KV in the full pool.
+
+The full tier is SGLang's KV pool (rows indexed through `req_to_token`). This tier follows it:
+when attention asks for a request's block, new rows are compressed on the way (`append`), so
+each token is compressed once. Blocks are keyed by (layer, request slot) and remember the pool
+rows they cover; a slot whose rows no longer start with those is rebuilt, and the owner of a
+request's lifetime calls `release` when it finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vericache_sglang.compress import CompressedKV, Compressor
+
+
+@dataclass
+class _Entry:
+    block: CompressedKV
+    rows: torch.Tensor
+    """Full-pool rows the block covers, in token order."""
+
+
+class CompressedTier:
+    """Compressed KV blocks built from, and kept in step with, the full KV pool."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._observed: dict[tuple[int, int], torch.Tensor] = {}
+
+    def observe(self, layer_id: int, req_slot: int, scores: torch.Tensor) -> None:
+        """Attention probabilities [Hq, W, T] of a prompt's last W queries over its T tokens,
+        for compressors that select tokens by attention (SnapKV, H2O)."""
+        self._observed[(layer_id, req_slot)] = scores
+
+    def block(
+        self,
+        layer_id: int,
+        req_slot: int,
+        rows: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        query: torch.Tensor | None = None,
+        sm_scale: float | None = None,
+    ) -> CompressedKV:
+        """The compressed block for the request's tokens held at `rows` of the full pool.
+
+        `query` [Hq, D] stands in as a one-query observation window when a token-selecting
+        compressor has seen no prompt scores (e.g. the whole prompt was a cached prefix).
+        """
+        key = (layer_id, req_slot)
+        entry = self._entries.get(key)
+        covered = 0 if entry is None else len(entry.rows)
+        if entry is None or covered > len(rows) or not torch.equal(entry.rows, rows[:covered]):
+            entry = self._build(key, rows, k_buffer, v_buffer, query, sm_scale)
+            covered = len(entry.rows)
+        if covered < len(rows):
+            new = rows[covered:]
+            self.compressor.append(
+                entry.block, k_buffer[new], v_buffer[new],
+                torch.arange(covered, len(rows), device=rows.device),
+            )
+            entry.rows = rows.clone()
+        return entry.block
+
+    def _build(self, key, rows, k_buffer, v_buffer, query, sm_scale) -> _Entry:
+        """Compress the tokens the observed scores cover (the prompt); later ones are appended."""
+        scores = self._observed.pop(key, None)
+        if scores is None and self.compressor.needs_scores:
+            scores = _one_query_scores(query, k_buffer[rows], sm_scale)
+        n = len(rows) if scores is None else min(scores.shape[-1], len(rows))
+        head = rows[:n]
+        block = self.compressor.compress(
+            k_buffer[head], v_buffer[head], torch.arange(n, device=rows.device),
+            None if scores is None else scores[..., :n], layer=key[0],
+        )
+        self._entries[key] = entry = _Entry(block, head.clone())
+        return entry
+
+    def release(self, req_slot: int) -> None:
+        """Drop every layer's block of a finished request."""
+        for key in [k for k in self._entries if k[1] == req_slot]:
+            del self._entries[key]
+        for key in [k for k in self._observed if k[1] == req_slot]:
+            del self._observed[key]
+
+    def nbytes(self) -> int:
+        """Exact bytes the tier holds now."""
+        return sum(e.block.nbytes() for e in self._entries.values())
+
+
+def _one_query_scores(
+    query: torch.Tensor | None, keys: torch.Tensor, sm_scale: float | None
+) -> torch.Tensor:
+    if query is None:
+        raise ValueError("a token-selecting compressor needs observed scores or a query")
+    heads, head_dim = keys.shape[1], keys.shape[2]
+    group = query.shape[0] // heads
+    k = keys.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    logits = torch.einsum("hd,thd->ht", query.float(), k) * scale
+    return torch.softmax(logits, dim=-1).unsqueeze(1)  # [Hq, 1, T]
