@@ -11,12 +11,11 @@ import torch
 from . import layout
 from .attention_ref import decode_attention_ref, merge_attention
 from .layout import PackedKV
-from .quant_ref import SUPPORTED_BITS, check_packing, dequantize_unpack_ref, quantize_pack_ref
+from .quant_ref import SUPPORTED_BITS, dequantize_unpack_ref, quantize_pack_ref
 
 __all__ = [
     "SUPPORTED_BITS",
     "PackedKV",
-    "check_packing",
     "decode_attention",
     "dequantize_keys",
     "dequantize_unpack",

@@ -35,7 +35,7 @@ def real_kv(demo_model: Path) -> RealKV:
     text = Path(textwrap.__file__).read_text()
     ids = tokenizer(text).input_ids[:REAL_TOKENS]
     assert len(ids) == REAL_TOKENS, "textwrap.py is long enough"
-    layers = hf_eval.prefill(model, ids, keep_queries=True)
+    layers = hf_eval.prefill(model, ids, total_scores=False, keep_queries=True)
     config = model.config
     return RealKV(
         {i: layers[i] for i in REAL_LAYERS},

@@ -6,6 +6,12 @@ import math
 
 import torch
 
+from vericache_sglang.compress import CompressedKV, parse_compressor_spec
+from vericache_sglang.compress.hf_eval import causal_attention_probs
+
+HELD_OUT = 16
+"""Prompt tokens held out of compression; their real queries probe the compressed prefix."""
+
 MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
@@ -50,6 +56,11 @@ def value_groups(values: torch.Tensor, group: int) -> torch.Tensor:
     return values.reshape(n, heads, dim // v_group, v_group)
 
 
+def budget(ratio: float, seen: int, floor: int = 0) -> int:
+    """Documented dropper budget: round(ratio * seen) half up, at least 1 and `floor`."""
+    return 0 if seen == 0 else min(seen, max(1, int(ratio * seen + 0.5), floor))
+
+
 def kivi_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, residual: int,
                dtype_bytes: int) -> int:
     """Bytes of plain KIVI storage computed from the shapes alone."""
@@ -59,3 +70,27 @@ def kivi_bytes(tokens: int, heads: int, dim: int, bits: int, group: int, residua
     value_meta = 2 * 2 * quantized * heads * (dim // math.gcd(group, dim))
     full = 2 * (tokens - quantized) * heads * dim * dtype_bytes
     return codes + key_meta + value_meta + full
+
+
+def prefix_scores(real_kv, layer: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(window scores [Hq, window, n], summed scores [Hq, 1, n]) of the prompt minus HELD_OUT."""
+    kv = real_kv.layers[layer]
+    n = kv.keys.shape[0] - HELD_OUT
+    q = kv.queries[:n].transpose(0, 1)
+    k = kv.keys[:n].transpose(0, 1)
+    window_scores = causal_attention_probs(q[:, n - window:], k, n - window, real_kv.scaling)
+    total = causal_attention_probs(q, k, 0, real_kv.scaling).sum(1, keepdim=True)
+    return window_scores, total
+
+
+def compress_prefix(real_kv, layer: int, spec: str) -> CompressedKV:
+    """Compress the prompt minus HELD_OUT tokens with the scores its method asks for."""
+    c = parse_compressor_spec(spec)
+    kv = real_kv.layers[layer]
+    n = kv.keys.shape[0] - HELD_OUT
+    scores = None
+    if c.needs_scores:
+        window = c.score_window()
+        window_scores, total = prefix_scores(real_kv, layer, window or 1)
+        scores = total if window is None else window_scores
+    return c.compress(kv.keys[:n], kv.values[:n], torch.arange(n), scores, layer=layer)

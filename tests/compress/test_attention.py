@@ -9,34 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vericache_sglang.compress import ComposedKV, QuantizedKV, parse_compressor_spec
-from vericache_sglang.compress.hf_eval import causal_attention_probs
+from vericache_sglang.compress import ComposedKV, QuantizedKV
 
-from .helpers import attention, key_groups, quant_error_bound
-
-HELD_OUT = 16
-
-
-def _compress(real_kv, index: int, spec: str):
-    c = parse_compressor_spec(spec)
-    kv = real_kv.layers[index]
-    n = kv.keys.shape[0] - HELD_OUT
-    scores = None
-    if c.needs_scores:
-        q = kv.queries[:n].transpose(0, 1)
-        k = kv.keys[:n].transpose(0, 1)
-        window = c.score_window()
-        scores = (causal_attention_probs(q, k, 0, real_kv.scaling).sum(1, keepdim=True)
-                  if window is None
-                  else causal_attention_probs(q[:, n - window:], k, n - window, real_kv.scaling))
-    return c.compress(kv.keys[:n], kv.values[:n], torch.arange(n), scores, layer=index)
+from .helpers import HELD_OUT, attention, compress_prefix, key_groups, quant_error_bound
 
 
 def _held_out_error(real_kv, spec: str) -> float:
     """Relative error ||o - o_full|| / ||o_full||, averaged over layers and held-out queries."""
     errors = []
     for index, kv in real_kv.layers.items():
-        keys, values = _compress(real_kv, index, spec).dense()
+        keys, values = compress_prefix(real_kv, index, spec).dense()
         n = kv.keys.shape[0] - HELD_OUT
         for j in range(HELD_OUT):
             tail = slice(n, n + j + 1)
@@ -82,8 +64,8 @@ def test_composition_adds_quantization_error(errors) -> None:
 
 
 def test_composition_quantizes_exactly_the_kept_tokens(real_kv) -> None:
-    dropped = _compress(real_kv, 14, "snapkv:ratio=0.5")
-    composed = _compress(real_kv, 14, "snapkv:ratio=0.5+kivi:bits=4,residual=0")
+    dropped = compress_prefix(real_kv, 14, "snapkv:ratio=0.5")
+    composed = compress_prefix(real_kv, 14, "snapkv:ratio=0.5+kivi:bits=4,residual=0")
     assert isinstance(composed, ComposedKV) and isinstance(composed.inner, QuantizedKV)
     assert torch.equal(composed.positions(), dropped.positions())
     kept_keys, _ = dropped.dense()
@@ -99,7 +81,7 @@ def test_composition_quantizes_exactly_the_kept_tokens(real_kv) -> None:
 def test_attend_reads_packed_like_dense(real_kv, spec: str) -> None:
     """block.attend (the kernel path, reading packed codes) equals attention over dense()."""
     for index, kv in real_kv.layers.items():
-        block = _compress(real_kv, index, spec)
+        block = compress_prefix(real_kv, index, spec)
         q = kv.queries[-1]
         expected = attention(q, *block.dense(), real_kv.scaling)
         assert torch.allclose(block.attend(q, real_kv.scaling), expected, atol=1e-5, rtol=1e-4)

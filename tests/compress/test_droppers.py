@@ -12,36 +12,7 @@ import torch.nn.functional as F
 from vericache_sglang.compress import DroppedKV, TokenDropper, param, parse_compressor_spec
 from vericache_sglang.compress.hf_eval import causal_attention_probs
 
-from .helpers import attention
-
-HELD_OUT = 16
-
-
-def _budget(ratio: float, seen: int, floor: int = 0) -> int:
-    return min(seen, max(1, int(ratio * seen + 0.5), floor))
-
-
-def _prefix_scores(real_kv, layer: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(window scores, summed scores) of a prompt that stops HELD_OUT tokens early."""
-    kv = real_kv.layers[layer]
-    n = kv.keys.shape[0] - HELD_OUT
-    q = kv.queries[:n].transpose(0, 1)
-    k = kv.keys[:n].transpose(0, 1)
-    window_scores = causal_attention_probs(q[:, n - window:], k, n - window, real_kv.scaling)
-    total = causal_attention_probs(q, k, 0, real_kv.scaling).sum(1, keepdim=True)
-    return window_scores, total
-
-
-def _compress_prefix(real_kv, layer: int, spec: str) -> DroppedKV:
-    c = parse_compressor_spec(spec)
-    kv = real_kv.layers[layer]
-    n = kv.keys.shape[0] - HELD_OUT
-    window_scores, total = _prefix_scores(real_kv, layer, 32)
-    scores = None
-    if c.needs_scores:
-        scores = total if c.score_window() is None else window_scores[:, -c.score_window():]
-    return c.compress(kv.keys[:n], kv.values[:n], torch.arange(n), scores)
-
+from .helpers import HELD_OUT, attention, budget, compress_prefix, prefix_scores
 
 SPECS = [
     "streaming:sink=4,ratio=0.25", "streaming:sink=16,ratio=0.02", "snapkv:ratio=0.25",
@@ -52,11 +23,11 @@ SPECS = [
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("layer", [0, 14, 29])
 def test_kept_tokens_are_exact(real_kv, spec: str, layer: int) -> None:
-    block = _compress_prefix(real_kv, layer, spec)
+    block = compress_prefix(real_kv, layer, spec)
     kv = real_kv.layers[layer]
     n = kv.keys.shape[0] - HELD_OUT
     c = parse_compressor_spec(spec)
-    assert len(block) == _budget(c.ratio, n, c.min_keep())
+    assert len(block) == budget(c.ratio, n, c.min_keep())
     positions = block.positions()
     assert positions.shape == (kv.keys.shape[1], len(block))
     assert torch.all(positions[:, 1:] > positions[:, :-1]), "ascending, no duplicates"
@@ -68,9 +39,9 @@ def test_kept_tokens_are_exact(real_kv, spec: str, layer: int) -> None:
 
 @pytest.mark.parametrize("sink", [0, 4, 16])
 def test_streaming_keeps_sinks_and_newest(real_kv, sink: int) -> None:
-    block = _compress_prefix(real_kv, 0, f"streaming:sink={sink},ratio=0.1")
+    block = compress_prefix(real_kv, 0, f"streaming:sink={sink},ratio=0.1")
     n = real_kv.layers[0].keys.shape[0] - HELD_OUT
-    kept = _budget(0.1, n, sink)
+    kept = budget(0.1, n, sink)
     expected = list(range(sink)) + list(range(n - (kept - sink), n))
     assert block.positions().tolist() == [expected] * block.num_kv_heads
 
@@ -90,9 +61,9 @@ def _assert_top_k(score: torch.Tensor, positions: torch.Tensor, protected: torch
 @pytest.mark.parametrize("layer", [0, 14, 29])
 def test_snapkv_keeps_window_and_top_pooled(real_kv, layer: int, pooling: str) -> None:
     window, kernel = 32, 7
-    block = _compress_prefix(real_kv, layer, f"snapkv:ratio=0.2,window={window},kernel={kernel},"
+    block = compress_prefix(real_kv, layer, f"snapkv:ratio=0.2,window={window},kernel={kernel},"
                                              f"pooling={pooling}")
-    window_scores, _ = _prefix_scores(real_kv, layer, window)
+    window_scores, _ = prefix_scores(real_kv, layer, window)
     q_heads, _, n = window_scores.shape
     per_kv = window_scores.sum(1).reshape(block.num_kv_heads, -1, n).sum(1)
     padded = F.pad(per_kv[:, : n - window], (kernel // 2, kernel // 2),
@@ -106,8 +77,8 @@ def test_snapkv_keeps_window_and_top_pooled(real_kv, layer: int, pooling: str) -
 
 @pytest.mark.parametrize("recent", [0.0, 0.5])
 def test_h2o_keeps_heavy_hitters_and_recent(real_kv, recent: float) -> None:
-    block = _compress_prefix(real_kv, 14, f"h2o:ratio=0.2,recent={recent}")
-    _, total = _prefix_scores(real_kv, 14, 32)
+    block = compress_prefix(real_kv, 14, f"h2o:ratio=0.2,recent={recent}")
+    _, total = prefix_scores(real_kv, 14, 32)
     n = total.shape[2]
     acc = total[:, 0].reshape(block.num_kv_heads, -1, n).sum(1)
     n_recent = int(recent * len(block) + 0.5)
@@ -120,7 +91,7 @@ def test_h2o_keeps_heavy_hitters_and_recent(real_kv, recent: float) -> None:
 def test_attention_is_exact_attention_restricted(real_kv, spec: str) -> None:
     """o_full = (1 - m) o_kept + m o_dropped, with m the dropped attention mass, per query head."""
     layer = real_kv.layers[29]
-    block = _compress_prefix(real_kv, 29, spec)
+    block = compress_prefix(real_kv, 29, spec)
     n = layer.keys.shape[0] - HELD_OUT
     q = layer.queries[n]
     group = q.shape[0] // block.num_kv_heads
@@ -164,7 +135,7 @@ def test_attention_aware_drops_beat_random(real_kv, spec: str) -> None:
     for index in real_kv.layers:
         layer = real_kv.layers[index]
         n = layer.keys.shape[0] - HELD_OUT
-        chosen = _compress_prefix(real_kv, index, spec)
+        chosen = compress_prefix(real_kv, index, spec)
         rand = RandomDrop(ratio=0.25).compress(layer.keys[:n], layer.values[:n], torch.arange(n))
         q = layer.queries[n:].transpose(0, 1)
         probs = causal_attention_probs(q, layer.keys[:n].transpose(0, 1), n, real_kv.scaling)
@@ -178,7 +149,7 @@ def test_streaming_appends_equal_one_shot(real_kv) -> None:
     block = c.compress(kv.keys[:100], kv.values[:100], torch.arange(100))
     for i in range(100, total, 3):
         c.append(block, kv.keys[i:i + 3], kv.values[i:i + 3], torch.arange(i, min(i + 3, total)))
-        assert len(block) == _budget(0.3, min(i + 3, total), 4)
+        assert len(block) == budget(0.3, min(i + 3, total), 4)
     one_shot = c.compress(kv.keys, kv.values, torch.arange(total))
     assert torch.equal(block.positions(), one_shot.positions())
     assert torch.equal(block.dense()[0], one_shot.dense()[0])
@@ -190,7 +161,7 @@ def test_h2o_append_accumulates_and_evicts(real_kv) -> None:
     kv = real_kv.layers[14]
     c = parse_compressor_spec("h2o:ratio=0.25,recent=0.25")
     n = kv.keys.shape[0] - HELD_OUT
-    block = _compress_prefix(real_kv, 14, c.spec())
+    block = compress_prefix(real_kv, 14, c.spec())
     heads = block.num_kv_heads
     for i in range(n, n + HELD_OUT):
         keys = torch.cat([block.dense()[0], kv.keys[i:i + 1]])
@@ -203,7 +174,7 @@ def test_h2o_append_accumulates_and_evicts(real_kv) -> None:
             for h, (pos, acc) in enumerate(zip(block.positions(), block.acc, strict=True))
         ]
         c.append(block, kv.keys[i:i + 1], kv.values[i:i + 1], torch.tensor([i]), probs)
-        assert len(block) == _budget(0.25, i + 1)
+        assert len(block) == budget(0.25, i + 1)
         assert block.positions()[:, -1].tolist() == [i] * heads, "the newest token is kept"
         for h in range(heads):
             kept = block.positions()[h].tolist()
@@ -217,7 +188,7 @@ def test_h2o_append_accumulates_and_evicts(real_kv) -> None:
 def test_snapkv_appends_without_evicting(real_kv) -> None:
     kv = real_kv.layers[0]
     c = parse_compressor_spec("snapkv:ratio=0.1")
-    block = _compress_prefix(real_kv, 0, c.spec())
+    block = compress_prefix(real_kv, 0, c.spec())
     kept = len(block)
     n = kv.keys.shape[0] - HELD_OUT
     c.append(block, kv.keys[n:], kv.values[n:], torch.arange(n, n + HELD_OUT))

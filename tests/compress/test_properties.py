@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from vericache_sglang.compress import parse_compressor_spec
 
-from .helpers import attention, key_groups, kivi_bytes, quant_error_bound, value_groups
+from .helpers import (
+    attention,
+    budget,
+    key_groups,
+    kivi_bytes,
+    quant_error_bound,
+    value_groups,
+)
 
 DTYPES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 PROPS = settings(max_examples=30, deadline=None)
@@ -84,7 +91,7 @@ def test_mixed_bytes(data, recent: int, late: int, layer: int) -> None:
 
 
 def _budget(c, seen: int) -> int:
-    return 0 if seen == 0 else min(seen, max(1, int(c.ratio * seen + 0.5), c.min_keep()))
+    return budget(c.ratio, seen, c.min_keep())
 
 
 @PROPS

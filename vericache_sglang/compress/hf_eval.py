@@ -115,9 +115,10 @@ def prefill(
     keep_queries: bool = False,
     chunk: int = 256,
 ) -> list[LayerKV]:
-    """Run the prompt once and record every layer's K/V and attention scores (the summed
-    ones cost a second pass over all query-key pairs, in chunks of `chunk` queries)."""
-    layers: dict[int, LayerKV] = {}
+    """Run the prompt once with `use_cache=True`: every layer's K/V is the model's own
+    `past_key_values`; queries and attention scores are recorded on the way (the summed scores
+    cost a second pass over all query-key pairs, in chunks of `chunk` queries)."""
+    stats: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def record(module, query, key, value, scaling):
         q, k = query[0], key[0]
@@ -129,9 +130,7 @@ def prefill(
                 causal_attention_probs(q[:, s:s + chunk], k, s, scaling).sum(1, keepdim=True)
                 for s in range(0, n, chunk)
             )
-        layers[module.layer_idx] = LayerKV(
-            k.transpose(0, 1).clone(),
-            value[0].transpose(0, 1).clone(),
+        stats[module.layer_idx] = (
             causal_attention_probs(q[:, n - w:], k, n - w, scaling),
             total,
             q.transpose(0, 1).clone() if keep_queries else None,
@@ -139,8 +138,12 @@ def prefill(
         return None
 
     with _hooked(record):
-        model(torch.tensor([list(input_ids)]), use_cache=False)
-    return [layers[i] for i in range(len(layers))]
+        cache = model(torch.tensor([list(input_ids)]), use_cache=True).past_key_values
+    return [
+        LayerKV(layer.keys[0].transpose(0, 1).contiguous(),
+                layer.values[0].transpose(0, 1).contiguous(), *stats[i])
+        for i, layer in enumerate(cache.layers)
+    ]
 
 
 @dataclass
