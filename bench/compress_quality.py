@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import vericache_kernels as kernels
 
-import kernels
 from vericache_sglang.compress import Compressor, parse_compressor_spec
 from vericache_sglang.compress.hf_eval import (
     LayerKV,

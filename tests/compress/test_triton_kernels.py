@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import layout  # noqa: E402
-from kernels.attention_ref import decode_attention_ref  # noqa: E402
-from kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
+from vericache_kernels import layout  # noqa: E402
+from vericache_kernels.attention_ref import decode_attention_ref  # noqa: E402
+from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
@@ -47,8 +47,7 @@ def test_kernels_under_the_interpreter() -> None:
 @pytest.fixture(scope="module")
 def interpreted():
     from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import attention_triton, quant_triton
+    from vericache_kernels import attention_triton, quant_triton
 
     for kernel in (quant_triton._quantize_pack_kernel, quant_triton._dequantize_kernel,
                    attention_triton._decode_attention_kernel):

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
-import kernels
+import vericache_kernels as kernels
 
 from .base import (
     CompressedKV,

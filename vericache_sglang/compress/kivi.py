@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels import SUPPORTED_BITS
+from vericache_kernels import SUPPORTED_BITS
 
 from .params import param
 from .quant import KiviQuantizer, QuantPlan

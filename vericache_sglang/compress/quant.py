@@ -13,8 +13,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import torch
-
-import kernels
+import vericache_kernels as kernels
 
 from .base import CompressedKV, Compressor, check_append, check_kv, tensor_bytes
 
