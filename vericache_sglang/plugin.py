@@ -21,6 +21,8 @@ from vericache_sglang.config import (
     option_names,
 )
 from vericache_sglang.cpu.finder import install as install_cpu_support
+from vericache_sglang.spec import configure as configure_spec
+from vericache_sglang.spec import register as register_spec
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ def _from_cli_args(original, cls, args):
         raise SystemExit(f"vericache: error: {e}") from None
     _attach(server_args, config)
     _default_device(server_args)
+    configure_spec(server_args)
     if config.enable_vericache:
         logger.info("VeriCache enabled: %s", config.to_dict())
     return server_args
@@ -78,6 +81,7 @@ class _EngineServerArgs:
         server_args = self.server_args_class(**kwargs)
         _attach(server_args, config)
         _default_device(server_args)
+        configure_spec(server_args)
         return server_args
 
 
@@ -101,6 +105,7 @@ def _default_device(server_args: Any) -> None:
 def register() -> None:
     """Plugin entry point: register VeriCache's hooks with SGLang."""
     install_cpu_support()
+    register_spec()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)

@@ -1,0 +1,109 @@
+"""The drafting and verification attention backends on real SGLang pools (no server, no model).
+
+Drafting reads the committed prefix from the compressed tier and the round's drafts exactly,
+and never writes the KV pool; verification is causal attention over the full KV that writes
+the verified tokens' K/V.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from tests.compress.helpers import attention
+from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.spec.attention import DraftAttnBackend, VerifyAttnBackend
+from vericache_sglang.spec.worker import VeriCacheVerifyInput
+from vericache_sglang.tiers.compressed import CompressedTier
+
+Q_HEADS, KV_HEADS, DIM = 9, 3, 64
+POOL = 1024
+SLOT = 1
+PREFIX = 300
+SCALE = DIM**-0.5
+
+
+class Pools:
+    """One request whose committed prefix sits at scattered rows of real SGLang pools."""
+
+    def __init__(self, spec: str = "kivi:bits=2,group=32,residual=32") -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.pool = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32,
+                                     head_num=KV_HEADS, head_dim=DIM, layer_num=1, device="cpu",
+                                     enable_memory_saver=False)
+        self.req_to_token = ReqToTokenPool(size=4, max_context_len=POOL, device="cpu",
+                                           enable_memory_saver=False)
+        self.rows = torch.randperm(POOL - 1, generator=gen)[: PREFIX + 16] + 1
+        self.req_to_token.req_to_token[SLOT, : len(self.rows)] = self.rows.to(torch.int32)
+        self.keys = torch.randn(len(self.rows), KV_HEADS, DIM, generator=gen)
+        self.values = torch.randn(len(self.rows), KV_HEADS, DIM, generator=gen)
+        self.queries = torch.randn(len(self.rows), Q_HEADS, DIM, generator=gen)
+        self.pool.k_buffer[0][self.rows[:PREFIX]] = self.keys[:PREFIX]
+        self.pool.v_buffer[0][self.rows[:PREFIX]] = self.values[:PREFIX]
+        self.layer = RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=0)
+        self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
+                                      token_to_kv_pool=self.pool)
+        self.tier = CompressedTier(parse_compressor_spec(spec))
+
+    def batch(self, mode: ForwardMode, seq_len: int, locs: torch.Tensor, **kw) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=mode, batch_size=1, input_ids=torch.zeros(len(locs), dtype=torch.int64),
+            req_pool_indices=torch.tensor([SLOT]), seq_lens=torch.tensor([seq_len]),
+            out_cache_loc=locs, seq_lens_sum=seq_len, **kw,
+        )
+
+
+def test_draft_reads_the_tier_prefix_and_an_exact_tail_and_writes_nothing():
+    p = Pools()
+    backend = DraftAttnBackend(p.runner, p.tier)
+    pool_before = (p.pool.k_buffer[0].clone(), p.pool.v_buffer[0].clone())
+    steps = 3
+    backend.begin_round([PREFIX], steps)
+    for step in range(steps):
+        t = PREFIX + step
+        backend.set_step(step)
+        fb = p.batch(ForwardMode.DECODE, t + 1, p.rows[t : t + 1])
+        out = backend.forward_decode(p.queries[t].reshape(1, -1), p.keys[t : t + 1],
+                                     p.values[t : t + 1], p.layer, fb)
+        prefix_k, prefix_v = p.tier._entries[(0, SLOT)].block.dense()
+        assert len(prefix_k) == PREFIX  # only committed tokens are ever compressed
+        expected = attention(p.queries[t], torch.cat([prefix_k, p.keys[PREFIX : t + 1]]),
+                             torch.cat([prefix_v, p.values[PREFIX : t + 1]]), SCALE)
+        torch.testing.assert_close(out.view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)
+        full = attention(p.queries[t], p.keys[: t + 1], p.values[: t + 1], SCALE)
+        assert not torch.allclose(out.view(Q_HEADS, DIM), full, atol=1e-4)  # lossy: tier read
+    backend.end_round()
+    assert torch.equal(p.pool.k_buffer[0], pool_before[0])
+    assert torch.equal(p.pool.v_buffer[0], pool_before[1])
+
+
+def test_draft_step_outside_the_round_is_refused():
+    backend = DraftAttnBackend(Pools().runner, CompressedTier(parse_compressor_spec("kivi:bits=4")))
+    backend.begin_round([PREFIX], 2)
+    with pytest.raises(ValueError):
+        backend.set_step(2)
+
+
+def test_verify_is_causal_attention_over_the_full_kv_and_writes_it():
+    p = Pools()
+    backend = VerifyAttnBackend(p.runner)
+    width = 5
+    locs = p.rows[PREFIX : PREFIX + width]
+    positions = torch.arange(PREFIX, PREFIX + width)
+    fb = p.batch(ForwardMode.TARGET_VERIFY, PREFIX, locs,
+                 spec_info=VeriCacheVerifyInput(draft_token_num=width, positions=positions))
+    backend.init_forward_metadata(fb)
+    span = slice(PREFIX, PREFIX + width)
+    out = backend.forward_extend(p.queries[span].reshape(width, -1), p.keys[span],
+                                 p.values[span], p.layer, fb)
+    for i in range(width):
+        t = PREFIX + i
+        expected = attention(p.queries[t], p.keys[: t + 1], p.values[: t + 1], SCALE)
+        torch.testing.assert_close(out[i].view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(p.pool.k_buffer[0][locs], p.keys[span])
+    assert torch.equal(p.pool.v_buffer[0][locs], p.values[span])

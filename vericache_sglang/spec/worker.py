@@ -1,0 +1,358 @@
+"""The VeriCache speculative worker: draft on the compressed tier, verify over the full KV.
+
+One decode round for a request with committed KV length L and last emitted token t0 (whose KV
+is not written yet):
+
+1. Draft: k one-token forwards of the target model itself through `DraftAttnBackend`, which
+   reads the committed prefix from the compressed tier and the round's own drafts exactly from
+   a scratch tail. Greedy: d1..dk. Nothing is written to the KV pool.
+2. Verify: one TARGET_VERIFY forward of [t0, d1..dk] at positions L..L+k over the full KV
+   (`VerifyAttnBackend`), writing their K/V into the slots SGLang reserved beyond L.
+3. Accept the longest prefix d1..da equal to the full model's argmax, plus the full model's
+   next token (the bonus): a + 1 tokens are emitted, L grows by a + 1, and the bonus is the
+   next round's t0. The emitted tokens are exactly the full model's greedy tokens. Slots
+   past the new committed length stay reserved but unreferenced; the next round rewrites them.
+
+Batches with sampling, penalties, logit bias, grammars or returned logprobs fall back to one
+plain decode step (exactly SGLang's own decode), so those requests are served unchanged.
+Prefill runs the target model as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.spec_info import SpecInput, SpecInputType, SpeculativeAlgorithm
+
+from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.plugin import get_config
+from vericache_sglang.spec.attention import DraftAttnBackend, VerifyAttnBackend
+from vericache_sglang.spec.policy import DraftLengthPolicy
+from vericache_sglang.tiers.compressed import CompressedTier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VeriCacheDraftInput(SpecInput):
+    """State carried between rounds: each request's last emitted token (no KV yet)."""
+
+    bonus_tokens: torch.Tensor
+    new_seq_lens: torch.Tensor
+
+    # FutureMap compatibility (the overlap relay reads these Eagle-shaped fields).
+    topk_p: ClassVar[torch.Tensor | None] = None
+    topk_index: ClassVar[torch.Tensor | None] = None
+    hidden_states: ClassVar[torch.Tensor | None] = None
+    future_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(SpecInputType.UNO_STATE)
+        self.num_tokens_per_req = 1
+        self.num_tokens_for_logprob_per_req = 1
+
+    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Any = None) -> None:
+        """Keep the rows of the requests that stay in the batch."""
+        self.bonus_tokens = self.bonus_tokens[new_indices]
+        self.new_seq_lens = self.new_seq_lens[new_indices]
+
+    def merge_batch(self, other: VeriCacheDraftInput) -> None:
+        """Append another batch's rows."""
+        if not isinstance(other, VeriCacheDraftInput):
+            raise TypeError(f"cannot merge VeriCacheDraftInput with {type(other).__name__}")
+        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
+        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
+
+
+@dataclass
+class VeriCacheVerifyInput(SpecInput):
+    """Metadata of one TARGET_VERIFY forward: `draft_token_num` tokens per request (a chain)."""
+
+    draft_token_num: int
+    positions: torch.Tensor
+    custom_mask: torch.Tensor | None = None
+    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+
+    def __post_init__(self) -> None:
+        super().__init__(SpecInputType.UNO_VERIFY)
+        self.num_tokens_per_req = self.draft_token_num
+        self.num_tokens_for_logprob_per_req = self.draft_token_num
+
+    @property
+    def tree_topk(self) -> int:
+        return 1
+
+
+class VeriCacheWorker(BaseSpecWorker):
+    """Lossless decoding over a compressed KV tier (see the module docstring)."""
+
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, **_: Any):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        self.model_runner = target_worker.model_runner
+        self.device = target_worker.device
+        config = get_config(server_args)
+        self.compressor = parse_compressor_spec(config.vericache_compressor)
+        self.policy = DraftLengthPolicy(
+            initial=config.vericache_draft_length,
+            minimum=config.vericache_min_draft_length,
+            maximum=config.vericache_max_draft_length,
+            adaptive=config.vericache_min_draft_length < config.vericache_max_draft_length,
+        )
+        self.max_draft_length = config.vericache_max_draft_length
+        # Compatibility fields read by SGLang's speculative infrastructure.
+        self.speculative_num_draft_tokens = self.max_draft_length + 1
+        self.speculative_num_steps = self.max_draft_length
+        self.topk = 1
+        # Built in init_attention_backends(), once the target's KV pools exist.
+        self.tier: CompressedTier | None = None
+        self.draft_backend: DraftAttnBackend | None = None
+        self.verify_backend: VerifyAttnBackend | None = None
+        self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
+        # Cumulative over all requests (per-request figures go to meta_info), for the logs.
+        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d)",
+                    self.compressor.spec(), self.policy.initial, self.policy.minimum,
+                    self.policy.maximum)
+
+    # -- SGLang worker interface ---------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # Scheduler-facing methods this wrapper lacks belong to the target worker.
+        if name == "_target_worker":
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    @property
+    def draft_worker(self) -> None:
+        # Drafting runs the target model itself; there is no draft model.
+        return None
+
+    def init_attention_backends(self) -> None:
+        self.tier = CompressedTier(self.compressor)
+        self.draft_backend = DraftAttnBackend(self.model_runner, self.tier)
+        self.verify_backend = VerifyAttnBackend(self.model_runner)
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return (self.model_runner.attn_backend, self.draft_backend, self.verify_backend)
+
+    def clear_cache_pool(self) -> None:
+        if self.tier is not None:
+            self.tier = CompressedTier(self.compressor)
+            self.draft_backend.tier = self.tier
+        self._owners.clear()
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        """Release a finished request's compressed blocks and policy state."""
+        del natural_stop
+        for slot in [s for s, owner in self._owners.items() if owner == rid]:
+            self._release(slot)
+        self.policy.forget(rid)
+        logger.debug("VeriCache totals after %s: %s", rid, self.stats)
+
+    def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None,
+                                 **_: Any) -> GenerationBatchResult:
+        del pp_proxy_tensors
+        self._track_owners(batch)
+        if batch.forward_mode.is_decode():
+            result = self._decode(batch)
+        elif batch.forward_mode.is_extend():
+            result = self._prefill(batch)
+        else:
+            raise NotImplementedError(f"VeriCache: unsupported forward mode {batch.forward_mode}")
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        return result
+
+    # -- request lifetime ----------------------------------------------------------------------
+    def _release(self, slot: int) -> None:
+        self.tier.release(slot)
+        self._owners.pop(slot, None)
+
+    def _track_owners(self, batch) -> None:
+        """A request slot now serving another request must not keep the old one's blocks."""
+        for req, slot in zip(batch.reqs, batch.req_pool_indices.tolist(), strict=True):
+            if self._owners.get(slot) != req.rid:
+                self.tier.release(slot)
+                self._owners[slot] = req.rid
+
+    # -- forwards ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _bound(self, backend, forward_batch: ForwardBatch | None = None) -> Iterator[None]:
+        """Run the target model's forwards through `backend` (planning and layers alike)."""
+        runner = self.model_runner
+        saved = runner.attn_backend, runner.decode_cuda_graph_runner
+        runner.attn_backend, runner.decode_cuda_graph_runner = backend, None
+        try:
+            with forward_context(ForwardContext(attn_backend=backend), forward_batch=forward_batch):
+                yield
+        finally:
+            runner.attn_backend, runner.decode_cuda_graph_runner = saved
+
+    def _forward(self, backend, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits [tokens, vocab] of a forward built here, run through `backend`."""
+        self.model_runner.kv_index_translator.bind_own_plan(forward_batch)
+        with self._bound(backend, forward_batch):
+            result = self._target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True
+            )
+        return result.logits_output
+
+    def _prefill(self, batch) -> GenerationBatchResult:
+        scoring = self.compressor.needs_scores
+        # Extend through the draft backend only to record prompt scores (its extend is exact).
+        with self._bound(self.draft_backend) if scoring else contextlib.nullcontext():
+            result = self._target_worker.forward_batch_generation(batch)
+        result.new_seq_lens = batch.seq_lens
+        result.next_draft_input = VeriCacheDraftInput(
+            bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
+            new_seq_lens=batch.seq_lens,
+        )
+        return result
+
+    def _can_draft(self, batch) -> bool:
+        info = batch.sampling_info
+        penalizer = info.penalizer_orchestrator
+        return (
+            info.is_all_greedy
+            and not (penalizer is not None and penalizer.is_required)
+            and info.acc_additive_penalties is None
+            and info.acc_scaling_penalties is None
+            and info.logit_bias is None
+            and not info.has_custom_logit_processor
+            and not batch.has_grammar
+            and not batch.return_logprob
+            and not batch.return_hidden_states
+        )
+
+    def _plain_decode(self, batch, committed: torch.Tensor, bonus: torch.Tensor):
+        """One ordinary decode step (SGLang's own), for batches VeriCache does not draft for."""
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        slots = batch.req_pool_indices.to(torch.int64)
+        batch.input_ids = bonus
+        batch.out_cache_loc = req_to_token[slots, committed].to(torch.int64)
+        batch.seq_lens = committed + 1
+        batch.seq_lens_cpu = committed.cpu() + 1
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        batch.spec_info = None
+        result = self._target_worker.forward_batch_generation(batch)
+        next_tokens = result.next_token_ids.reshape(-1).to(torch.int64)
+        logits_output = result.logits_output
+        if logits_output.next_token_logprobs is not None:
+            # Speculative results carry one row of logprobs per request (its accepted tokens).
+            logits_output.next_token_logprobs = logits_output.next_token_logprobs.reshape(-1, 1)
+        accept_lens = torch.ones_like(committed, dtype=torch.int32)
+        return self._result(logits_output, next_tokens, accept_lens, committed + 1,
+                            next_tokens, width=1, drafted=0)
+
+    @staticmethod
+    def _useful_drafts(batch) -> int:
+        """Most drafts any request can still use: a round emits at most drafts + 1 tokens."""
+        remaining = [
+            req.sampling_params.max_new_tokens - len(req.output_ids)
+            for req in batch.reqs if req.sampling_params.max_new_tokens is not None
+        ]
+        if len(remaining) < len(batch.reqs):
+            return 1 << 30
+        return max(0, max(remaining) - 1)
+
+    def _decode(self, batch) -> GenerationBatchResult:
+        state: VeriCacheDraftInput = batch.spec_info
+        bs = len(batch.reqs)
+        committed = batch.seq_lens.to(torch.int64)
+        committed_cpu = committed.cpu()
+        bonus = state.bonus_tokens.reshape(-1).to(torch.int64)
+        if not self._can_draft(batch):
+            return self._plain_decode(batch, committed, bonus)
+
+        k = min(self.policy.batch_length([req.rid for req in batch.reqs]),
+                self._useful_drafts(batch))
+        width = k + 1
+        slots = batch.req_pool_indices
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        positions = committed[:, None] + torch.arange(width, device=committed.device)
+        locs = req_to_token[slots.to(torch.int64)[:, None], positions].to(torch.int64)
+
+        # 1. Draft on the compressed tier.
+        tokens = [bonus]
+        self.draft_backend.begin_round(committed_cpu.tolist(), k)
+        try:
+            for step in range(k):
+                self.draft_backend.set_step(step)
+                lens_cpu = committed_cpu + step + 1
+                fb = ForwardBatch(
+                    forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[-1],
+                    req_pool_indices=slots, seq_lens=committed + step + 1,
+                    out_cache_loc=locs[:, step].contiguous(), seq_lens_sum=int(lens_cpu.sum()),
+                    seq_lens_cpu=lens_cpu, positions=positions[:, step].contiguous(),
+                    spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
+                    capture_hidden_mode=CaptureHiddenMode.NULL,
+                    return_hidden_states_before_norm=False,
+                )
+                logits = self._forward(self.draft_backend, fb).next_token_logits
+                tokens.append(torch.argmax(logits, dim=-1).to(torch.int64))
+        finally:
+            self.draft_backend.end_round()
+        chain = torch.stack(tokens, dim=1)  # [bs, width]: t0, d1..dk
+
+        # 2. Verify over the full KV.
+        verify = VeriCacheVerifyInput(draft_token_num=width, positions=positions.reshape(-1))
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=chain.reshape(-1),
+            req_pool_indices=slots, seq_lens=committed, out_cache_loc=locs.reshape(-1),
+            seq_lens_sum=int(committed_cpu.sum()), seq_lens_cpu=committed_cpu,
+            positions=positions.reshape(-1), spec_algorithm=batch.spec_algorithm,
+            spec_info=verify, capture_hidden_mode=CaptureHiddenMode.NULL,
+            return_hidden_states_before_norm=False,
+        )
+        logits_output = self._forward(self.verify_backend, fb)
+        target = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, width)
+
+        # 3. Accept the longest matching prefix plus the full model's next token.
+        matches = (chain[:, 1:] == target[:, :-1]).to(torch.int32)
+        accepted = matches.cumprod(dim=1).sum(dim=1)
+        accept_lens = (accepted + 1).to(torch.int32)
+        new_bonus = target.gather(1, accepted.to(torch.int64)[:, None]).squeeze(1)
+        if k > 0:
+            for req, a in zip(batch.reqs, accepted.tolist(), strict=True):
+                self.policy.update(req.rid, k, a)
+        return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
+                            committed + accept_lens, new_bonus, width=width, drafted=k)
+
+    def _result(self, logits_output, output_ids: torch.Tensor, accept_lens: torch.Tensor,
+                new_seq_lens: torch.Tensor, bonus: torch.Tensor, *, width: int,
+                drafted: int) -> GenerationBatchResult:
+        bs = accept_lens.shape[0]
+        emitted = int(accept_lens.sum())
+        self.stats["rounds"] += bs
+        self.stats["drafted"] += drafted * bs
+        self.stats["accepted"] += emitted - bs
+        self.stats["emitted"] += emitted
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=output_ids,
+            accept_lens=accept_lens,
+            # Reported per request as meta_info["spec_cap_length"]: mean drafts per round.
+            cap_lens=torch.full((bs,), drafted, dtype=torch.int32),
+            next_draft_input=VeriCacheDraftInput(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
+            speculative_num_draft_tokens=width,
+            speculative_output_stride=width,
+            num_non_draft_tokens_per_req=1,
+            new_seq_lens=new_seq_lens,
+            can_run_cuda_graph=False,
+        )
