@@ -154,7 +154,9 @@ class Compressor(ABC):
     ) -> CompressedKV:
         """Compress one layer's K/V for a run of tokens (see the module docstring for shapes)."""
 
-    @abstractmethod
+    block_type: ClassVar[type[CompressedKV]] = CompressedKV
+    """The block class this compressor makes; `append` accepts only those."""
+
     def append(
         self,
         block: CompressedKV,
@@ -166,6 +168,23 @@ class Compressor(ABC):
         """Add decoded tokens [n, H, D] to `block` in place. `scores`, if given, are the new
         queries' attention probabilities over the block's slots then the new tokens:
         [Hq, n, len(block) + n] (GQA: query head j reads slots of KV head j // (Hq // H))."""
+        if not isinstance(block, self.block_type):
+            raise TypeError(f"{self.name or type(self).__name__} appends to its own "
+                            f"{self.block_type.__name__} blocks, got {type(block)}")
+        check_kv(keys, values, positions, scores, scored_tokens=len(block) + keys.shape[0])
+        check_append(block, keys)
+        self._append(block, keys, values, positions, scores)
+
+    @abstractmethod
+    def _append(
+        self,
+        block: CompressedKV,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        scores: torch.Tensor | None,
+    ) -> None:
+        """The method's own part of `append`, on inputs `append` has validated."""
 
     def ratio_vs_bf16(
         self, num_tokens: int, num_kv_heads: int, head_dim: int, *, layer: int = 0

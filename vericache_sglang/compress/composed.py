@@ -8,10 +8,11 @@ decoded tokens only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .base import CompressedKV, Compressor, check_append, check_kv, tensor_bytes
+from .base import CompressedKV, Compressor, tensor_bytes
 from .dropper import TokenDropper
 from .params import CompressorSpecError
 
@@ -63,6 +64,7 @@ class ComposedCompressor(Compressor):
     """Compresses the kept tokens' K/V."""
 
     name = "composed"
+    block_type: ClassVar[type[CompressedKV]] = ComposedKV
 
     def check(self) -> None:
         if not isinstance(self.dropper, TokenDropper) or isinstance(self.quantizer, TokenDropper):
@@ -96,18 +98,14 @@ class ComposedCompressor(Compressor):
         inner = self.quantizer.compress(kept_keys, kept_values, slots, layer=layer)
         return ComposedKV(inner, kept.positions().to(torch.int32))
 
-    def append(
+    def _append(
         self,
         block: CompressedKV,
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
-        scores: torch.Tensor | None = None,
+        scores: torch.Tensor | None,
     ) -> None:
-        if not isinstance(block, ComposedKV):
-            raise TypeError(f"composition appends to its own ComposedKV blocks, got {type(block)}")
-        check_kv(keys, values, positions, scores, scored_tokens=len(block) + keys.shape[0])
-        check_append(block, keys)
         self.quantizer.append(block.inner, keys, values, positions)
         new_positions = positions.to(torch.int32)[None].expand(block.num_kv_heads, -1)
         block.slot_positions = torch.cat([block.slot_positions, new_positions], dim=1)

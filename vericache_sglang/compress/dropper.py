@@ -17,7 +17,6 @@ import vericache_kernels as kernels
 from .base import (
     CompressedKV,
     Compressor,
-    check_append,
     check_kv,
     round_half_up,
     tensor_bytes,
@@ -110,6 +109,7 @@ class TokenDropper(Compressor):
     """Base of droppers. Subclasses declare a `ratio` field (kept fraction of the tokens seen)."""
 
     ratio: float
+    block_type: ClassVar[type[CompressedKV]] = DroppedKV
     evicts_on_append: ClassVar[bool] = True
     """Whether `append` evicts back to the budget (False: decode tokens are all kept)."""
     keeps_scores: ClassVar[bool] = False
@@ -164,18 +164,14 @@ class TokenDropper(Compressor):
         block.select(self._keep(block, acc))
         return block
 
-    def append(
+    def _append(
         self,
         block: CompressedKV,
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
-        scores: torch.Tensor | None = None,
+        scores: torch.Tensor | None,
     ) -> None:
-        if not isinstance(block, DroppedKV):
-            raise TypeError(f"{self.name} appends to its own DroppedKV blocks, got {type(block)}")
-        check_kv(keys, values, positions, scores, scored_tokens=len(block) + keys.shape[0])
-        check_append(block, keys)
         update = None if scores is None else group_scores(scores, block.num_kv_heads)
         block.extend(keys, values, positions, update)
         if self.evicts_on_append and len(block) > self.budget(block.seen):

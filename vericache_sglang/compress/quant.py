@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import vericache_kernels as kernels
 
-from .base import CompressedKV, Compressor, check_append, check_kv, tensor_bytes
+from .base import CompressedKV, Compressor, check_kv, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ class QuantizedKV(CompressedKV):
 class KiviQuantizer(Compressor):
     """Base of KIVI-style quantizers: methods map a layer index to a `QuantPlan`."""
 
+    block_type: ClassVar[type[CompressedKV]] = QuantizedKV
+
     @abstractmethod
     def plan(self, layer: int) -> QuantPlan:
         """Bit allocation and windows for `layer`."""
@@ -208,16 +211,12 @@ class KiviQuantizer(Compressor):
         block.push(keys, values)
         return block
 
-    def append(
+    def _append(
         self,
         block: CompressedKV,
         keys: torch.Tensor,
         values: torch.Tensor,
         positions: torch.Tensor,
-        scores: torch.Tensor | None = None,
+        scores: torch.Tensor | None,
     ) -> None:
-        if not isinstance(block, QuantizedKV):
-            raise TypeError(f"{self.name} appends to its own QuantizedKV blocks, got {type(block)}")
-        check_kv(keys, values, positions, scores, scored_tokens=len(block) + keys.shape[0])
-        check_append(block, keys)
         block.push(keys, values)
