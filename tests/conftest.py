@@ -28,14 +28,27 @@ def demo_model(demo_models: models.PreparedModels) -> Path:
     return demo_models.target
 
 
+# Arguments every test server shares, so that a VeriCache server and the plain one differ only
+# by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks.
+SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics"]
+
+
+@pytest.fixture(scope="session")
+def plain_server(demo_model: Path) -> Iterator[ServerProcess]:
+    """Plain SGLang, float32: the reference every VeriCache output must equal."""
+    with ServerProcess(demo_model, SERVER_ARGS) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
-    """The demo model served in float32 with VeriCache enabled (non-default settings)."""
+    """The demo model served in float32 with VeriCache: 4-bit KIVI, draft length adapting
+    from 16 (the defaults), and a non-default full-tier budget."""
     server = ServerProcess(demo_model, [
-        "--dtype", "float32",
+        *SERVER_ARGS,
         "--enable-vericache",
         "--vericache-compressor", "kivi:bits=4",
-        "--vericache-draft-length", "8",
+        "--vericache-draft-length", "16",
         "--vericache-full-tier-budget", "2GiB",
     ])
     with server:

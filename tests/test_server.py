@@ -74,7 +74,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
     assert compressor.startswith("kivi:") and "bits=4" in compressor.split(":")[1].split(",")
     assert info == {
         "enable_vericache": True,
-        "vericache_draft_length": 8,
+        "vericache_draft_length": 16,
         "vericache_min_draft_length": 4,
         "vericache_max_draft_length": 64,
         "vericache_full_tier": "host",

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.layers.attention import torch_native_backend
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -107,3 +108,58 @@ def test_verify_is_causal_attention_over_the_full_kv_and_writes_it():
         torch.testing.assert_close(out[i].view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)
     assert torch.equal(p.pool.k_buffer[0][locs], p.keys[span])
     assert torch.equal(p.pool.v_buffer[0][locs], p.values[span])
+
+
+def test_verify_batch_computes_only_the_verified_queries(monkeypatch):
+    """Two requests with different committed lengths in one TARGET_VERIFY forward: each of
+    their `width` tokens attends causally over its own full KV, and attention is computed for
+    those queries only (torch_native's extend pads the queries to the whole sequence: a
+    verify would cost O(context^2) per layer)."""
+    gen = torch.Generator().manual_seed(1)
+    pool = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
+                            head_dim=DIM, layer_num=1, device="cpu", enable_memory_saver=False)
+    req_to_token = ReqToTokenPool(size=4, max_context_len=POOL, device="cpu",
+                                  enable_memory_saver=False)
+    width, prefixes, slots = 4, [300, 170], [1, 3]
+    rows = (torch.randperm(POOL - 1, generator=gen)[: sum(prefixes) + 2 * width] + 1).split(
+        [prefixes[0] + width, prefixes[1] + width])
+    keys = [torch.randn(len(r), KV_HEADS, DIM, generator=gen) for r in rows]
+    values = [torch.randn(len(r), KV_HEADS, DIM, generator=gen) for r in rows]
+    queries = [torch.randn(width, Q_HEADS, DIM, generator=gen) for _ in rows]
+    for slot, r, k, v, n in zip(slots, rows, keys, values, prefixes, strict=True):
+        req_to_token.req_to_token[slot, : len(r)] = r.to(torch.int32)
+        pool.k_buffer[0][r[:n]], pool.v_buffer[0][r[:n]] = k[:n], v[:n]
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token, token_to_kv_pool=pool)
+    layer = RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=0)
+    locs = torch.cat([r[n:] for r, n in zip(rows, prefixes, strict=True)])
+    lens = torch.tensor(prefixes)
+    positions = torch.cat([torch.arange(n, n + width) for n in prefixes])
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2,
+        input_ids=torch.zeros(2 * width, dtype=torch.int64), req_pool_indices=torch.tensor(slots),
+        seq_lens=lens, seq_lens_cpu=lens.clone(), out_cache_loc=locs,
+        seq_lens_sum=sum(prefixes), positions=positions,
+        spec_info=VeriCacheVerifyInput(draft_token_num=width, positions=positions),
+    )
+    backend = VerifyAttnBackend(runner)
+    backend.init_forward_metadata(fb)
+    sdpa, query_lengths = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording_sdpa(query, *args, **kwargs):
+        query_lengths.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(torch_native_backend, "scaled_dot_product_attention", recording_sdpa)
+    out = backend.forward_extend(
+        torch.cat(queries).reshape(2 * width, -1),
+        torch.cat([k[n:] for k, n in zip(keys, prefixes, strict=True)]),
+        torch.cat([v[n:] for v, n in zip(values, prefixes, strict=True)]), layer, fb,
+    ).view(2, width, Q_HEADS, DIM)
+    assert query_lengths == [width, width]
+    for b, n in enumerate(prefixes):
+        for j in range(width):
+            expected = attention(queries[b][j], keys[b][: n + j + 1], values[b][: n + j + 1],
+                                 SCALE)
+            torch.testing.assert_close(out[b, j], expected, rtol=1e-4, atol=1e-5)
+        assert torch.equal(pool.k_buffer[0][rows[b][n:]], keys[b][n:])

@@ -6,15 +6,17 @@ full KV pool: only tokens the full model has verified are ever compressed); the 
 in this round are attended exactly from a scratch tail this backend holds. Nothing is written
 to the KV pool while drafting, so a rejected draft leaves no trace.
 
-Verification (`VerifyAttnBackend`) is SGLang's torch_native attention for a TARGET_VERIFY
+Verification (`VerifyAttnBackend`) is SGLang's torch_native attention plus a TARGET_VERIFY
 forward: the root token and the k drafts of each request extend its committed prefix over the
 full KV, causally (a draft chain needs no tree mask), writing their K/V into the pool slots
-reserved beyond the committed length.
+reserved beyond the committed length. Only those k + 1 queries are computed, so a round reads
+the committed KV once.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -61,7 +63,8 @@ class DraftAttnBackend(CompressedTierAttnBackend):
 
     def _prefix_kv(self, layer, row: int, slot: int, q: torch.Tensor):
         """A request's committed prefix as the tier holds it, read once per round and layer,
-        as float32 keys and values [N, Hq, D] (KV heads repeated for GQA)."""
+        as float32 keys and values [H, N, D] (per KV head, contiguous: every draft step of
+        the round multiplies against them without copying)."""
         key = (layer.layer_id, row)
         if key not in self._prefix:
             rows = self.req_to_token_pool.req_to_token[slot, : self._committed[row]]
@@ -71,9 +74,8 @@ class DraftAttnBackend(CompressedTierAttnBackend):
                 self.token_to_kv_pool.get_value_buffer(layer.layer_id),
                 query=q, sm_scale=layer.scaling,
             )
-            group = layer.tp_q_head_num // layer.tp_k_head_num
             self._prefix[key] = tuple(
-                t.float().repeat_interleave(group, dim=1) for t in block.dense()
+                t.float().transpose(0, 1).contiguous() for t in block.dense()
             )
         return self._prefix[key]
 
@@ -99,34 +101,35 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         slots = forward_batch.req_pool_indices.tolist()
         if len(slots) != len(self._committed):
             raise RuntimeError("draft forward batch does not match begin_round()")
-        group = layer.tp_q_head_num // heads
         for i, slot in enumerate(slots):
             prefix = self._prefix_kv(layer, i, slot, q[i])
-            tail = (tail_k[i].float().repeat_interleave(group, dim=1),
-                    tail_v[i].float().repeat_interleave(group, dim=1))
+            tail = (tail_k[i].float().transpose(0, 1), tail_v[i].float().transpose(0, 1))
             out[i] = _attend(q[i].float(), (prefix, tail), layer.scaling).to(out.dtype)
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
 def _attend(q: torch.Tensor, parts: tuple[tuple[torch.Tensor, torch.Tensor], ...],
             scale: float) -> torch.Tensor:
-    """One float32 query [Hq, D] over the union of (keys, values) parts, each [N, Hq, D]
-    float32, without concatenating them -> [Hq, Dv] float32."""
-    logits = torch.cat([torch.einsum("hd,nhd->hn", q, keys) for keys, _ in parts], dim=-1)
+    """One float32 query [Hq, D] over the union of (keys, values) parts, each [H, N, D]
+    float32 per KV head, without concatenating them -> [Hq, Dv] float32. GQA: query head j
+    reads KV head j // (Hq // H), as grouped matmuls (no repeated K/V)."""
+    grouped = q.view(parts[0][0].shape[0], -1, q.shape[-1])  # [H, Hq // H, D]
+    logits = torch.cat([torch.matmul(grouped, keys.transpose(1, 2)) for keys, _ in parts], -1)
     probs = torch.softmax(logits * scale, dim=-1)
     out, start = 0, 0
     for keys, values in parts:
-        out = out + torch.einsum("hn,nhd->hd", probs[:, start : start + len(keys)], values)
-        start += len(keys)
-    return out
+        out = out + torch.matmul(probs[..., start : start + keys.shape[1]], values)
+        start += keys.shape[1]
+    return out.reshape(q.shape[0], -1)
 
 
 class VerifyAttnBackend(TorchNativeAttnBackend):
     """torch_native attention that also runs TARGET_VERIFY forwards over the full KV.
 
-    SGLang's torch_native backend reads extend lengths from the batch, which a verify batch
-    does not carry: here each request extends its committed prefix (`seq_lens`) by the
-    verify width (`spec_info.draft_token_num`), causally.
+    Each request extends its committed prefix (`seq_lens`) by the verify width
+    (`spec_info.draft_token_num`), causally: only those `width` queries are computed, over the
+    prefix plus themselves. (torch_native's own extend pads the queries to the whole sequence
+    and runs full causal attention, quadratic in the context: a prefill's way, not a verify's.)
     """
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -137,20 +140,28 @@ class VerifyAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         width = forward_batch.spec_info.draft_token_num
-        prefix = forward_batch.seq_lens
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        self._run_sdpa_forward_extend(
-            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-            o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            prefix + width,
-            prefix,
-            torch.full_like(prefix, width),
-            scaling=layer.scaling,
-            enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            causal=True,
-        )
-        return o
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        lens = forward_batch.seq_lens_cpu
+        lens = (forward_batch.seq_lens if lens is None else lens).tolist()
+        offsets = torch.arange(width, device=q.device)
+        for i, (slot, prefix) in enumerate(
+            zip(forward_batch.req_pool_indices.tolist(), lens, strict=True)
+        ):
+            rows = req_to_token[slot, : prefix + width]
+            keys, values = k_buffer[rows].movedim(0, 1), v_buffer[rows].movedim(0, 1)
+            span = slice(i * width, (i + 1) * width)
+            query = q[span].movedim(0, 1)  # [Hq, width, D]
+            if keys.dtype != query.dtype:
+                keys, values = keys.to(query.dtype), values.to(query.dtype)
+            # Query j sits at position prefix + j and sees keys 0..prefix + j.
+            visible = (torch.arange(prefix + width, device=q.device)[None]
+                       <= prefix + offsets[:, None])
+            o[span] = F.scaled_dot_product_attention(
+                query[None], keys[None], values[None], attn_mask=visible[None, None],
+                scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+            )[0].movedim(0, 1)
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)

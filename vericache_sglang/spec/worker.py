@@ -5,15 +5,19 @@ is not written yet):
 
 1. Draft: k one-token forwards of the target model itself through `DraftAttnBackend`, which
    reads the committed prefix from the compressed tier and the round's own drafts exactly from
-   a scratch tail. Greedy: d1..dk. Nothing is written to the KV pool.
+   a scratch tail. Greedy: d1..dk. Sampled requests draw d_j from the draft distribution q_j
+   (`sampling.py`). Nothing is written to the KV pool.
 2. Verify: one TARGET_VERIFY forward of [t0, d1..dk] at positions L..L+k over the full KV
    (`VerifyAttnBackend`), writing their K/V into the slots SGLang reserved beyond L.
 3. Accept the longest prefix d1..da equal to the full model's argmax, plus the full model's
    next token (the bonus): a + 1 tokens are emitted, L grows by a + 1, and the bonus is the
    next round's t0. The emitted tokens are exactly the full model's greedy tokens. Slots
    past the new committed length stay reserved but unreferenced; the next round rewrites them.
+   Sampled requests are verified by speculative rejection sampling instead (`sampling.py`):
+   their emitted tokens follow exactly the distribution plain SGLang samples from.
 
-Batches with sampling, penalties, logit bias, grammars or returned logprobs fall back to one
+A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`).
+Batches with penalties, logit bias or returned logprobs fall back to one
 plain decode step (exactly SGLang's own decode), so those requests are served unchanged.
 Prefill runs the target model as usual.
 """
@@ -34,13 +38,22 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
 )
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType, SpeculativeAlgorithm
 
 from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.plugin import get_config
 from vericache_sglang.spec.attention import DraftAttnBackend, VerifyAttnBackend
+from vericache_sglang.spec.grammar import RoundGrammar
 from vericache_sglang.spec.policy import DraftLengthPolicy
+from vericache_sglang.spec.sampling import (
+    SamplingRows,
+    draft_tokens,
+    sampler_supported,
+    verify_tokens,
+)
 from vericache_sglang.tiers.compressed import CompressedTier
 
 logger = logging.getLogger(__name__)
@@ -124,8 +137,11 @@ class VeriCacheWorker(BaseSpecWorker):
         self.draft_backend: DraftAttnBackend | None = None
         self.verify_backend: VerifyAttnBackend | None = None
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
-        # Cumulative over all requests (per-request figures go to meta_info), for the logs.
-        self.stats = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        # Cumulative over all requests, for the logs (per-request figures go to meta_info),
+        # and as Prometheus counters with --enable-metrics.
+        self.totals = RoundCounts()
+        self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
+                        if server_args.enable_metrics else None)
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d)",
                     self.compressor.spec(), self.policy.initial, self.policy.minimum,
                     self.policy.maximum)
@@ -163,7 +179,7 @@ class VeriCacheWorker(BaseSpecWorker):
         for slot in [s for s, owner in self._owners.items() if owner == rid]:
             self._release(slot)
         self.policy.forget(rid)
-        logger.debug("VeriCache totals after %s: %s", rid, self.stats)
+        logger.debug("VeriCache totals after %s: %s", rid, self.totals)
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None,
                                  **_: Any) -> GenerationBatchResult:
@@ -229,13 +245,12 @@ class VeriCacheWorker(BaseSpecWorker):
         info = batch.sampling_info
         penalizer = info.penalizer_orchestrator
         return (
-            info.is_all_greedy
+            sampler_supported(self.model_runner.sampler, info, get_exec().kernel.sampling_backend)
             and not (penalizer is not None and penalizer.is_required)
             and info.acc_additive_penalties is None
             and info.acc_scaling_penalties is None
             and info.logit_bias is None
             and not info.has_custom_logit_processor
-            and not batch.has_grammar
             and not batch.return_logprob
             and not batch.return_hidden_states
         )
@@ -258,7 +273,7 @@ class VeriCacheWorker(BaseSpecWorker):
             logits_output.next_token_logprobs = logits_output.next_token_logprobs.reshape(-1, 1)
         accept_lens = torch.ones_like(committed, dtype=torch.int32)
         return self._result(logits_output, next_tokens, accept_lens, committed + 1,
-                            next_tokens, width=1, drafted=0)
+                            next_tokens, width=1, drafted=0, verified=False)
 
     @staticmethod
     def _useful_drafts(batch) -> int:
@@ -288,8 +303,11 @@ class VeriCacheWorker(BaseSpecWorker):
         positions = committed[:, None] + torch.arange(width, device=committed.device)
         locs = req_to_token[slots.to(torch.int64)[:, None], positions].to(torch.int64)
 
-        # 1. Draft on the compressed tier.
+        # 1. Draft on the compressed tier (under each request's grammar, if it has one).
+        grammar = RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, width)
         tokens = [bonus]
+        rows = SamplingRows.from_sampling_info(batch.sampling_info)
+        draft_probs = []  # q of each step, for the requests that sample
         self.draft_backend.begin_round(committed_cpu.tolist(), k)
         try:
             for step in range(k):
@@ -305,9 +323,17 @@ class VeriCacheWorker(BaseSpecWorker):
                     return_hidden_states_before_norm=False,
                 )
                 logits = self._forward(self.draft_backend, fb).next_token_logits
-                tokens.append(torch.argmax(logits, dim=-1).to(torch.int64))
+                if grammar is not None:
+                    grammar.constrain_draft(logits, step)
+                token, q = draft_tokens(logits, rows, positions[:, step])
+                tokens.append(token)
+                draft_probs.append(q)
+                if grammar is not None:
+                    grammar.advance(tokens[-1])
         finally:
             self.draft_backend.end_round()
+            if grammar is not None:
+                grammar.finish_drafting()
         chain = torch.stack(tokens, dim=1)  # [bs, width]: t0, d1..dk
 
         # 2. Verify over the full KV.
@@ -321,28 +347,30 @@ class VeriCacheWorker(BaseSpecWorker):
             return_hidden_states_before_norm=False,
         )
         logits_output = self._forward(self.verify_backend, fb)
-        target = torch.argmax(logits_output.next_token_logits, dim=-1).view(bs, width)
+        if grammar is not None:
+            grammar.constrain_verify(logits_output.next_token_logits)
 
-        # 3. Accept the longest matching prefix plus the full model's next token.
-        matches = (chain[:, 1:] == target[:, :-1]).to(torch.int32)
-        accepted = matches.cumprod(dim=1).sum(dim=1)
+        # 3. Accept the longest prefix the full model would have chosen itself (greedy and
+        # seeded requests) or rejection sample (the others), plus the full model's next token.
+        accepted, target = verify_tokens(
+            logits_output.next_token_logits.view(bs, width, -1), chain[:, 1:],
+            torch.stack(draft_probs, dim=1) if draft_probs and rows.any_sampled else None,
+            rows, positions,
+        )
         accept_lens = (accepted + 1).to(torch.int32)
-        new_bonus = target.gather(1, accepted.to(torch.int64)[:, None]).squeeze(1)
+        new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         if k > 0:
             for req, a in zip(batch.reqs, accepted.tolist(), strict=True):
                 self.policy.update(req.rid, k, a)
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
-                            committed + accept_lens, new_bonus, width=width, drafted=k)
+                            committed + accept_lens, new_bonus, width=width, drafted=k,
+                            verified=True)
 
     def _result(self, logits_output, output_ids: torch.Tensor, accept_lens: torch.Tensor,
                 new_seq_lens: torch.Tensor, bonus: torch.Tensor, *, width: int,
-                drafted: int) -> GenerationBatchResult:
+                drafted: int, verified: bool) -> GenerationBatchResult:
         bs = accept_lens.shape[0]
-        emitted = int(accept_lens.sum())
-        self.stats["rounds"] += bs
-        self.stats["drafted"] += drafted * bs
-        self.stats["accepted"] += emitted - bs
-        self.stats["emitted"] += emitted
+        self._count(bs, drafted, int(accept_lens.sum()), verified)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=output_ids,
@@ -356,3 +384,11 @@ class VeriCacheWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
             can_run_cuda_graph=False,
         )
+
+    def _count(self, bs: int, drafted: int, emitted: int, verified: bool) -> None:
+        counts = (RoundCounts(verify_rounds=bs, drafted_tokens=drafted * bs,
+                              accepted_drafts=emitted - bs, emitted_tokens=emitted)
+                  if verified else RoundCounts(plain_decode_steps=bs))
+        self.totals.add(counts)
+        if self.metrics is not None:
+            self.metrics.record(counts, self.tier.nbytes())

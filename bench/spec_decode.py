@@ -1,0 +1,347 @@
+"""Drafting statistics, full-KV traffic and decode throughput of VeriCache on long real contexts.
+
+Real SGLang servers, the demo model in float32, greedy decoding. The prompts are the starts of
+Python standard library sources (2k-6k tokens). A plain server answers every prompt first and is
+stopped; then one VeriCache server per configuration (a compressor spec at a fixed draft length
+k, `SPEC@K`) answers the same prompts, one at a time. Only one server runs at any time.
+
+Per configuration:
+
+  E          tokens emitted per verification round: decode tokens (completion - 1, the first
+             token comes from prefill) over `spec_verify_ct`. The last round of a request drafts
+             only what max_new_tokens leaves, so E is a little below 1 + k * acceptance;
+  E (full)   1 + k * acceptance: E of a round drafting the full k (what a long output tends to);
+  acceptance accepted drafts (`spec_num_correct_drafts`) over drafted tokens
+             (`spec_cap_length` * rounds);
+  KV read    bytes of full-precision KV read per emitted token, from the model config: plain
+             decoding reads the committed KV once per token, a verify round reads it once for
+             its k + 1 tokens (committed length taken at the middle of each request's decode,
+             exact to within max_new_tokens / prompt length);
+  tok/s      decode throughput, prefill subtracted as in bench/decode_throughput.py (the time of
+             a 1-token request on the same prompt; the prefix cache is flushed before each timed
+             request, so both prefill in full);
+  identical  whether every output equals plain SGLang's token for token (it must: float32).
+
+Not a test: it prints a progress line per request and a markdown table, and with --write-docs
+puts the table and the exact command into the marked section of the given markdown file.
+
+    .venv/bin/python bench/spec_decode.py --quick
+    .venv/bin/python bench/spec_decode.py --write-docs docs/spec_decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from vericache_sglang.server_process import ServerProcess
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# (stdlib source, prompt tokens): the start of each file.
+DEFAULT_PROMPTS = ["textwrap.py:2048", "argparse.py:3072", "difflib.py:4096", "inspect.py:6144"]
+DEFAULT_CONFIGS = ["kivi:bits=4@8", "kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32",
+                   "snapkv:ratio=0.25@32"]
+QUICK_PROMPTS = ["textwrap.py:2048", "argparse.py:3072"]
+QUICK_CONFIGS = ["kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32"]
+BEGIN, END = "<!-- spec_decode:begin -->", "<!-- spec_decode:end -->"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class Prompt:
+    name: str
+    ids: list[int]
+
+
+@dataclass
+class Config:
+    spec: str
+    k: int
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        spec, sep, k = text.rpartition("@")
+        if not sep or not spec or not k.isdigit() or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"config must be SPEC@K (K >= 1), got {text!r}")
+        return cls(spec, int(k))
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec}@{self.k}"
+
+    def server_args(self) -> list[str]:
+        k = str(self.k)
+        return ["--enable-vericache", "--vericache-compressor", self.spec,
+                "--vericache-draft-length", k, "--vericache-min-draft-length", k,
+                "--vericache-max-draft-length", k]
+
+
+@dataclass
+class Run:
+    """One request's outcome on one server."""
+
+    prompt: Prompt
+    output_ids: list[int]
+    meta: dict
+    seconds: float
+    prefill_seconds: float
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.output_ids) - 1
+
+    @property
+    def decode_seconds(self) -> float:
+        return max(self.seconds - self.prefill_seconds, 1e-9)
+
+
+@dataclass
+class Row:
+    """A configuration's runs (plain decoding has config None)."""
+
+    config: Config | None
+    runs: list[Run] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+    def total(self, key: str) -> float:
+        return sum(r.meta.get(key, 0) for r in self.runs)
+
+    @property
+    def rounds(self) -> int:
+        return int(self.total("spec_verify_ct"))
+
+    @property
+    def drafted(self) -> int:
+        return sum(round(r.meta.get("spec_cap_length", 0) * r.meta.get("spec_verify_ct", 0))
+                   for r in self.runs)
+
+    @property
+    def accepted(self) -> int:
+        return int(self.total("spec_num_correct_drafts"))
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(r.decode_tokens for r in self.runs)
+
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens / sum(r.decode_seconds for r in self.runs)
+
+    def kv_bytes_read(self, token_bytes: int) -> float:
+        """Full KV bytes read over all requests' decoding: once per verification round (or per
+        token for plain decoding) at the committed length in the middle of the decode."""
+        total = 0.0
+        for r in self.runs:
+            reads = r.meta["spec_verify_ct"] if self.config else r.decode_tokens
+            total += reads * (len(r.prompt.ids) + r.decode_tokens / 2) * token_bytes
+        return total
+
+    def histogram(self) -> list[int]:
+        bins: list[int] = []
+        for r in self.runs:
+            h = r.meta.get("spec_correct_drafts_histogram") or []
+            bins += [0] * (len(h) - len(bins))
+            for i, n in enumerate(h):
+                bins[i] += n
+        return bins
+
+
+def load_prompts(entries: list[str], tokenizer) -> list[Prompt]:
+    prompts = []
+    for entry in entries:
+        name, _, tokens = entry.rpartition(":")
+        path = Path(name) if Path(name).is_absolute() else STDLIB / name
+        ids = tokenizer(path.read_text())["input_ids"][: int(tokens)]
+        if len(ids) < int(tokens):
+            raise SystemExit(f"{path} has only {len(ids)} tokens, {tokens} asked")
+        prompts.append(Prompt(f"{path.name}[:{len(ids)}]", ids))
+    return prompts
+
+
+def _generate(server: ServerProcess, ids: list[int], n: int) -> tuple[dict, float]:
+    # A fresh prefix cache, so that every timed request prefills its whole prompt.
+    requests.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
+    began = time.monotonic()
+    out = server.generate({"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    seconds = time.monotonic() - began
+    if out["meta_info"]["completion_tokens"] != n:
+        raise RuntimeError(f"asked {n} tokens, got {out['meta_info']['completion_tokens']}")
+    return out, seconds
+
+
+def serve(model: Path, row: Row, prompts: list[Prompt], args, reference: Row | None) -> None:
+    name = row.config.label if row.config else "plain"
+    extra = row.config.server_args() if row.config else []
+    log(f"{name}: starting server")
+    with ServerProcess(model, ["--dtype", args.dtype, *extra],
+                       max_total_tokens=args.max_total_tokens) as server:
+        log(f"{name}: healthy after {server.startup_seconds:.0f} s")
+        for i, prompt in enumerate(prompts):
+            _, prefill = _generate(server, prompt.ids, 1)
+            out, seconds = _generate(server, prompt.ids, args.max_new_tokens)
+            run = Run(prompt, out["output_ids"], out["meta_info"], seconds, prefill)
+            row.runs.append(run)
+            line = (f"{name} {prompt.name}: {run.decode_tokens / run.decode_seconds:.2f} tok/s "
+                    f"(prefill {prefill:.1f} s)")
+            meta = run.meta
+            if row.config:
+                rounds = meta["spec_verify_ct"]
+                drafted = round(meta["spec_cap_length"] * rounds)
+                accepted = meta["spec_num_correct_drafts"]
+                line += (f", rounds {rounds}, drafted {drafted}, accepted {accepted}, "
+                         f"E {run.decode_tokens / max(rounds, 1):.2f}")
+                if accepted + rounds != run.decode_tokens:
+                    line += f" (accepted + rounds != {run.decode_tokens} decode tokens!)"
+            if reference is not None:
+                expected = reference.runs[i].output_ids
+                if run.output_ids == expected:
+                    line += ", identical"
+                else:
+                    at = next((j for j, (a, b) in enumerate(zip(run.output_ids, expected,
+                                                                strict=False)) if a != b),
+                              min(len(run.output_ids), len(expected)))
+                    row.mismatches.append(f"{prompt.name} at token {at}")
+                    line += f", MISMATCH with plain SGLang at output token {at}"
+                    print(f"!!! {name} {prompt.name}: OUTPUT DIFFERS FROM PLAIN SGLANG at "
+                          f"output token {at}", file=sys.stderr, flush=True)
+            log(line)
+
+
+def markdown(plain: Row, rows: list[Row], token_bytes: int) -> str:
+    plain_kv = plain.kv_bytes_read(token_bytes) / plain.decode_tokens
+    plain_tps = plain.tokens_per_second()
+    lines = [
+        "| compressor | k | E (tokens/round) | E (full rounds) | acceptance | rounds "
+        "| full KV read per token: VeriCache / plain | tok/s VeriCache / plain "
+        "| identical to plain |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for row in rows:
+        acceptance = row.accepted / max(row.drafted, 1)
+        kv = row.kv_bytes_read(token_bytes) / row.decode_tokens
+        tps = row.tokens_per_second()
+        same = "yes" if not row.mismatches else "**NO**: " + "; ".join(row.mismatches)
+        lines.append(
+            f"| `{row.config.spec}` | {row.config.k} "
+            f"| {row.decode_tokens / max(row.rounds, 1):.2f} | {1 + row.config.k * acceptance:.2f} "
+            f"| {acceptance:.1%} ({row.accepted}/{row.drafted}) | {row.rounds} "
+            f"| {kv / 2**20:.2f} / {plain_kv / 2**20:.2f} MiB ({plain_kv / kv:.1f}x less) "
+            f"| {tps:.2f} / {plain_tps:.2f} ({tps / plain_tps:.2f}x) | {same} |"
+        )
+    return "\n".join(lines)
+
+
+def write_docs(path: Path, command: str, body: str) -> None:
+    text = path.read_text() if path.exists() else (
+        "# Drafting and verification on long contexts\n\n"
+        f"Written by `bench/spec_decode.py` (see its docstring for the columns).\n\n"
+        f"{BEGIN}\n{END}\n"
+    )
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n```\n{command}\n```\n\n{body}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF model directory (default: the prepared demo model)")
+    parser.add_argument("--prompts", nargs="+", default=None, metavar="FILE:TOKENS",
+                        help="stdlib source (or absolute path) and prompt tokens, one prompt "
+                        f"each (default: {' '.join(DEFAULT_PROMPTS)})")
+    parser.add_argument("--configs", nargs="+", type=Config.parse, default=None,
+                        metavar="SPEC@K", help="compressor spec at a fixed draft length k, one "
+                        f"server each (default: {' '.join(DEFAULT_CONFIGS)})")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"prompts {' '.join(QUICK_PROMPTS)}, configs "
+                        f"{' '.join(QUICK_CONFIGS)} (unless given)")
+    parser.add_argument("--dtype", default="float32",
+                        help="--dtype for every server (default: float32, where output identity "
+                        "is exact)")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool size of every server (default: longest prompt + new "
+                        "tokens + longest k + 1, plus headroom)")
+    parser.add_argument("--write-docs", type=Path, default=None,
+                        help="markdown file whose spec_decode section gets the results")
+    args = parser.parse_args(argv)
+    prompt_entries = args.prompts or (QUICK_PROMPTS if args.quick else DEFAULT_PROMPTS)
+    configs = args.configs or [Config.parse(c) for c in
+                               (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)]
+    started = time.time()
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    if args.model is None:
+        from vericache_sglang.models import prepare
+
+        args.model = prepare().target
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = load_prompts(prompt_entries, tokenizer)
+    needed = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(c.k for c in configs)
+    if args.max_total_tokens is None:
+        args.max_total_tokens = needed + 1024
+    elif args.max_total_tokens < needed + 1:
+        raise SystemExit(f"--max-total-tokens must be at least {needed + 1}")
+    model_config = AutoConfig.from_pretrained(args.model)
+    head_dim = getattr(model_config, "head_dim", None) or (
+        model_config.hidden_size // model_config.num_attention_heads)
+    token_bytes = (2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+                   * head_dim * DTYPE_BYTES.get(args.dtype, 2))
+    log(f"{len(prompts)} prompts ({', '.join(p.name for p in prompts)}), "
+        f"{len(configs)} configs, {args.max_new_tokens} new tokens, full KV "
+        f"{token_bytes} B/token ({args.dtype})")
+
+    plain = Row(None)
+    serve(args.model, plain, prompts, args, None)
+    rows = [Row(c) for c in configs]
+    for row in rows:
+        serve(args.model, row, prompts, args, plain)
+
+    table = markdown(plain, rows, token_bytes)
+    minutes = (time.time() - started) / 60
+    histograms = "\n".join(f"- `{r.config.label}`: {r.histogram()}" for r in rows)
+    notes = (
+        f"Prompts: {', '.join(p.name for p in prompts)} (Python {sys.version_info.major}."
+        f"{sys.version_info.minor} standard library); {args.max_new_tokens} greedy tokens each "
+        f"(`ignore_eos`), `--dtype {args.dtype}`, fixed draft length k per server. Full KV: "
+        f"{token_bytes} bytes per token. Run on {args.model.name} in {minutes:.0f} min."
+    )
+    body = (f"{notes}\n\n{table}\n\nRounds by accepted drafts "
+            f"(`spec_correct_drafts_histogram`, summed over prompts):\n\n{histograms}\n")
+    print(json.dumps({r.config.label: {"rounds": r.rounds, "drafted": r.drafted,
+                                       "accepted": r.accepted, "decode_tokens": r.decode_tokens}
+                      for r in rows}))
+    print(body)
+    log(f"done in {minutes:.1f} min")
+    if args.write_docs:
+        command = "python bench/spec_decode.py " + shlex.join(
+            sys.argv[1:] if argv is None else argv
+        )
+        write_docs(args.write_docs, command, body)
+        log(f"wrote {args.write_docs}")
+    bad = [f"{r.config.label}: {m}" for r in rows for m in r.mismatches]
+    if bad:
+        print("!!! OUTPUT MISMATCHES WITH PLAIN SGLANG (a bug: float32 must be identical):\n  "
+              + "\n  ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

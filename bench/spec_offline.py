@@ -1,0 +1,154 @@
+"""VeriCache rounds simulated with HF transformers (float32), no SGLang: the reference acceptance.
+
+For each prompt the model prefills the whole prompt (its K/V is the committed full KV, its last
+logits give the first token t0), the compressor compresses the prompt K/V per layer, then every
+round:
+
+  draft   k greedy one-token forwards from t0 attending to the compressed committed prefix (its
+          `dense()` read, GQA as the model does it) plus the round's own drafts' exact K/V;
+  verify  one forward of [t0, d1..dk] over the full committed KV; accept the longest prefix of
+          drafts equal to the full model's argmax, plus its next token (the new t0);
+  commit  the accepted tokens' full K/V (from the verify forward) are kept and appended to the
+          compressed blocks through the compressor, as the server's tier does.
+
+It prints per prompt and config the rounds, drafted/accepted drafts and E, so that the server's
+figures (bench/spec_decode.py) can be checked against an independent implementation of the
+same scheme. Not a test.
+
+    .venv/bin/python bench/spec_offline.py --prompts textwrap.py:2048 --configs kivi:bits=4@16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.compress.hf_eval import load_model, prefill
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@torch.inference_mode()
+def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int) -> dict:
+    """Greedy VeriCache decoding of `new_tokens` tokens (the first from prefill)."""
+    compressor = parse_compressor_spec(spec)
+    window = compressor.score_window() or 1 if compressor.needs_scores else 1
+    layers = prefill(model, ids, window=window,
+                     total_scores=compressor.needs_scores and compressor.score_window() is None)
+    full = DynamicCache()
+    for i, layer in enumerate(layers):
+        full.update(layer.keys.transpose(0, 1)[None], layer.values.transpose(0, 1)[None], i)
+    blocks = [layer.compress(compressor, i) for i, layer in enumerate(layers)]
+    del layers
+    # The first token: the prompt's last logits (re-run the last token over the rest).
+    committed = len(ids)
+    probe = DynamicCache()
+    for i, layer in enumerate(full.layers):
+        probe.update(layer.keys[:, :, : committed - 1], layer.values[:, :, : committed - 1], i)
+    logits = model(torch.tensor([[ids[-1]]]), past_key_values=probe,
+                   position_ids=torch.tensor([[committed - 1]])).logits
+    del probe
+    t0 = int(logits[0, -1].argmax())
+    output = [t0]
+    rounds = drafted = accepted = 0
+    histogram = [0] * (k + 1)
+    while len(output) < new_tokens:
+        width = min(k, new_tokens - len(output) - 1)
+        # Draft on the compressed prefix; drafts' own K/V are exact (appended to this cache).
+        draft_cache = DynamicCache()
+        for i, block in enumerate(blocks):
+            keys, values = block.dense()
+            draft_cache.update(keys.transpose(0, 1)[None].float(),
+                               values.transpose(0, 1)[None].float(), i)
+        chain = [t0]
+        for step in range(width):
+            logits = model(torch.tensor([[chain[-1]]]), past_key_values=draft_cache,
+                           position_ids=torch.tensor([[committed + step]])).logits
+            chain.append(int(logits[0, -1].argmax()))
+        del draft_cache
+        # Verify over the full KV.
+        logits = model(torch.tensor([chain]), past_key_values=full,
+                       position_ids=committed + torch.arange(width + 1)[None]).logits
+        target = logits[0].argmax(-1).tolist()
+        a = 0
+        while a < width and chain[a + 1] == target[a]:
+            a += 1
+        rounds += 1
+        drafted += width
+        accepted += a
+        if width == k:
+            histogram[a] += 1
+        if a < width:
+            full.crop(a - width)  # drop the rejected drafts' K/V (negative: from the end)
+        for i, block in enumerate(blocks):
+            layer = full.layers[i]
+            compressor.append(block, layer.keys[0, :, committed:].transpose(0, 1).contiguous(),
+                              layer.values[0, :, committed:].transpose(0, 1).contiguous(),
+                              torch.arange(committed, committed + a + 1))
+        output += target[: a + 1]
+        committed += a + 1
+        t0 = target[a]
+    output = output[:new_tokens]
+    return {"rounds": rounds, "drafted": drafted, "accepted": accepted,
+            "E": (len(output) - 1) / max(rounds, 1), "histogram": histogram, "output": output}
+
+
+@torch.inference_mode()
+def greedy_reference(model, ids: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--prompts", nargs="+", default=["textwrap.py:2048"],
+                        metavar="FILE:TOKENS")
+    parser.add_argument("--configs", nargs="+", default=["kivi:bits=4@16"], metavar="SPEC@K")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--check-greedy", action="store_true",
+                        help="also decode plainly and check the output is identical")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from vericache_sglang.models import prepare
+
+        args.model = prepare().target
+    model, tokenizer = load_model(args.model)
+    for entry in args.prompts:
+        name, _, tokens = entry.rpartition(":")
+        path = Path(name) if Path(name).is_absolute() else STDLIB / name
+        ids = tokenizer(path.read_text())["input_ids"][: int(tokens)]
+        reference = greedy_reference(model, ids, args.max_new_tokens) if args.check_greedy \
+            else None
+        for config in args.configs:
+            spec, _, k = config.rpartition("@")
+            began = time.monotonic()
+            r = simulate(model, ids, spec, int(k), args.max_new_tokens)
+            same = "" if reference is None else (
+                ", identical to greedy" if r["output"] == reference else ", DIFFERS FROM GREEDY")
+            log(f"{path.name}[:{len(ids)}] {config}: rounds {r['rounds']}, drafted "
+                f"{r['drafted']}, accepted {r['accepted']} "
+                f"({r['accepted'] / max(r['drafted'], 1):.1%}), E {r['E']:.2f}, "
+                f"full-k rounds by accepted {r['histogram']}{same} "
+                f"({time.monotonic() - began:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Sampled requests served by VeriCache follow plain SGLang's output distribution.
+
+Real servers, the demo model in float32, `--random-seed 0`, one at a time: plain SGLang
+answers and is stopped, then VeriCache with 2-bit KIVI (32 full-precision recent tokens) and
+a fixed draft length of 4, lossy enough that many drafts are rejected. Both answer the same
+batch: `SAMPLES` samples (`n`) of `NEW_TOKENS` tokens after a real prompt for each sampling
+configuration, and one greedy request (which must equal plain greedy output, token for token,
+while sharing rounds with sampled requests).
+
+For each configuration and each output position, a two-sample chi-square test compares the
+token counts of the two servers; tokens seen fewer than `MIN_CELL` times in both samples
+together are pooled into one cell, so every cell expects about 5 or more per server. Position
+0 comes from prefill on both servers (a control); positions 1.. come from VeriCache's draft and
+verify rounds. Each of the M tests fails at p < `FAMILY_ALPHA` / M, so under exact sampling the
+module fails with probability below `FAMILY_ALPHA` = 1e-3 (Bonferroni).
+
+Named to run before test_identity.py, whose session-scoped servers stay up until the session
+ends (this module's servers start and stop inside it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from vericache_sglang.server_process import ServerProcess
+
+# Two servers, each starting in minutes on a busy 2-core machine.
+pytestmark = [pytest.mark.server, pytest.mark.timeout(3600)]
+
+SAMPLES = 100
+NEW_TOKENS = 4
+PROMPT_TOKENS = 128
+MIN_CELL = 10
+FAMILY_ALPHA = 1e-3
+CONFIGS = {
+    "temperature_1": {"temperature": 1.0},
+    "top_k_top_p": {"temperature": 0.9, "top_k": 40, "top_p": 0.9},
+}
+# A round of a few hundred requests can outlast SGLang's 300 s watchdog on a busy 2-core box.
+BASE_ARGS = ["--dtype", "float32", "--random-seed", "0", "--watchdog-timeout", "3600"]
+VERICACHE_ARGS = ["--enable-vericache", "--vericache-compressor",
+                  "kivi:bits=2,group=32,residual=32", "--vericache-draft-length", "4",
+                  "--vericache-min-draft-length", "4", "--vericache-max-draft-length", "4"]
+
+
+def _answers(server: ServerProcess, ids: list[int]) -> dict[str, list[dict]]:
+    """The batch: every configuration's samples and the greedy request, sent together."""
+    payloads = {name: {"input_ids": ids, "sampling_params": {
+        **params, "n": SAMPLES, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+        for name, params in CONFIGS.items()}
+    payloads["greedy"] = {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 3 * NEW_TOKENS, "ignore_eos": True}}
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        futures = {name: pool.submit(server.generate, p) for name, p in payloads.items()}
+        out = {name: f.result() for name, f in futures.items()}
+    out["greedy"] = [out["greedy"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(demo_model: Path) -> dict[str, dict[str, list[dict]]]:
+    """Plain SGLang's and VeriCache's answers to the same batch (one server at a time)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    # The json module's docstring, cut inside an example: several likely tokens per position.
+    ids = tokenizer(inspect.getsource(json))["input_ids"][:PROMPT_TOKENS]
+    result = {}
+    for name, args in {"plain": BASE_ARGS, "vericache": BASE_ARGS + VERICACHE_ARGS}.items():
+        with ServerProcess(demo_model, args) as server:
+            began = time.monotonic()
+            result[name] = _answers(server, ids)
+            print(f"\n[{name}] batch answered in {time.monotonic() - began:.0f} s")
+    return result
+
+
+def _two_sample_pvalue(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Chi-square test of homogeneity of two token samples; (p-value, cells)."""
+    ca, cb = Counter(a), Counter(b)
+    common = sorted(t for t in ca.keys() | cb.keys() if ca[t] + cb[t] >= MIN_CELL)
+    rows = [[c[t] for t in common] + [sum(v for t, v in c.items() if t not in common)]
+            for c in (ca, cb)]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    if len(rows[0]) < 2:
+        return 1.0, len(rows[0])  # one cell: both servers always emit the same token
+    return float(chi2_contingency(rows, correction=False).pvalue), len(rows[0])
+
+
+def test_sampled_tokens_follow_plain_sglangs_distribution(runs):
+    tests = len(CONFIGS) * NEW_TOKENS
+    report, failures, informative = [], [], 0
+    for name in CONFIGS:
+        plain = [o["output_ids"] for o in runs["plain"][name]]
+        ours = [o["output_ids"] for o in runs["vericache"][name]]
+        assert len(plain) == len(ours) == SAMPLES
+        assert all(len(ids) == NEW_TOKENS for ids in plain + ours)
+        for pos in range(NEW_TOKENS):
+            pvalue, cells = _two_sample_pvalue([o[pos] for o in plain], [o[pos] for o in ours])
+            report.append(f"{name} position {pos}: p={pvalue:.3g} ({cells} cells)")
+            informative += cells >= 3
+            if pvalue < FAMILY_ALPHA / tests:
+                failures.append(report[-1])
+    print("\n  " + "\n  ".join(report))
+    assert not failures, failures
+    # The prompt keeps the test informative: most positions spread over several tokens.
+    assert informative >= tests // 2, report
+
+
+def test_sampled_requests_drafted_and_some_drafts_were_rejected(runs):
+    """Sampled requests went through draft and verify rounds (not plain decode steps), the
+    statistics add up per request, and the 2-bit tier made some drafts fail."""
+    for name in CONFIGS:
+        rounds = drafted = accepted = 0
+        for out in runs["vericache"][name]:
+            meta = out["meta_info"]
+            r, a = meta["spec_verify_ct"], meta["spec_num_correct_drafts"]
+            # A round emits its accepted drafts plus one token (the first token comes from
+            # prefill); the last round's may run past max_new_tokens and be cut.
+            assert len(out["output_ids"]) <= 1 + a + r
+            rounds, accepted = rounds + r, accepted + a
+            drafted += round(meta["spec_cap_length"] * r)
+        print(f"\n[{name}] {rounds} rounds, {accepted}/{drafted} drafts accepted")
+        assert rounds > 0 and 0 < accepted < drafted
+
+
+def test_greedy_request_in_the_sampled_batch_equals_plain(runs):
+    plain, ours = runs["plain"]["greedy"][0], runs["vericache"]["greedy"][0]
+    assert ours["output_ids"] == plain["output_ids"]
+    meta = ours["meta_info"]
+    assert meta["spec_cap_length"] > 0 and meta["spec_num_correct_drafts"] > 0  # it drafted

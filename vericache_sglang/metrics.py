@@ -1,0 +1,68 @@
+"""VeriCache's Prometheus metrics, served on SGLang's `/metrics` beside `sglang:*`.
+
+SGLang's own `sglang:spec_accept_rate` divides by the widest verify (the maximum draft length),
+which understates acceptance when the draft length adapts; these counters are exact, so rates
+come from `rate()` over them: acceptance = accepted_drafts / drafted_tokens, tokens per round
+(E) = emitted_tokens / verify_rounds. Created in the scheduler process only with
+`--enable-metrics` (SGLang's multiprocess registry then exports them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RoundCounts:
+    """What one scheduler step of the worker did, summed over its batch."""
+
+    verify_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    emitted_tokens: int = 0
+    plain_decode_steps: int = 0
+
+    def add(self, other: RoundCounts) -> None:
+        """Accumulate another step's counts into these."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class VeriCacheMetrics:
+    """Counters of drafting and verification, and the compressed tier's size."""
+
+    def __init__(self, model_name: str) -> None:
+        # prometheus_client must be imported after SGLang set PROMETHEUS_MULTIPROC_DIR.
+        from prometheus_client import Counter, Gauge
+
+        labels = {"model_name": model_name}
+        self._labels = labels
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"vericache:{name}", doc, labelnames=labels.keys()).labels(**labels)
+
+        self.verify_rounds = counter(
+            "verify_rounds", "Verification rounds (one per request and round).")
+        self.drafted_tokens = counter(
+            "drafted_tokens", "Tokens drafted on the compressed tier.")
+        self.accepted_drafts = counter(
+            "accepted_drafts", "Drafted tokens the full-KV verification accepted.")
+        self.emitted_tokens = counter(
+            "emitted_tokens", "Tokens verification rounds accepted: accepted drafts plus one "
+            "token of the full model per round (before stop strings cut a run short).")
+        self.plain_decode_steps = counter(
+            "plain_decode_steps", "Per-request decode steps served without drafting "
+            "(requests with returned logprobs, penalties, logit bias, ...).")
+        self.compressed_tier_bytes = Gauge(
+            "vericache:compressed_tier_bytes", "Bytes the compressed KV tier holds.",
+            labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
+
+    def record(self, counts: RoundCounts, tier_bytes: int) -> None:
+        """Add one scheduler step's counts and set the tier's current size."""
+        self.verify_rounds.inc(counts.verify_rounds)
+        self.drafted_tokens.inc(counts.drafted_tokens)
+        self.accepted_drafts.inc(counts.accepted_drafts)
+        self.emitted_tokens.inc(counts.emitted_tokens)
+        self.plain_decode_steps.inc(counts.plain_decode_steps)
+        self.compressed_tier_bytes.set(tier_bytes)
