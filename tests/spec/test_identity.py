@@ -27,7 +27,8 @@ import requests
 from tests.conftest import SERVER_ARGS, stdlib_source
 from vericache_sglang.server_process import ServerProcess
 
-pytestmark = pytest.mark.server
+# Server start-up and 12 long generations per configuration run inside the first tests.
+pytestmark = [pytest.mark.server, pytest.mark.timeout(2400)]
 
 NEW_TOKENS = 128
 CONFIGS = ["vericache_server", "snapkv_server"]
