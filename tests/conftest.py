@@ -29,8 +29,20 @@ def demo_model(demo_models: models.PreparedModels) -> Path:
 
 
 # Arguments every test server shares, so that a VeriCache server and the plain one differ only
-# by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks.
-SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics"]
+# by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks; sampling is seeded
+# so that a sampling test's outcome is reproducible.
+SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics",
+               "--random-seed", "0"]
+
+
+SESSION_SERVERS = {"plain_server", "vericache_server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use the session's servers run last, in their usual order. A server takes
+    about 5 GB on CPU: this way they never run beside the Engine, launcher and HF tests, and
+    three servers at most are up at once (24 GB machines)."""
+    items.sort(key=lambda item: bool(SESSION_SERVERS & set(getattr(item, "fixturenames", ()))))
 
 
 @pytest.fixture(scope="session")

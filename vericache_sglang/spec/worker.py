@@ -276,15 +276,14 @@ class VeriCacheWorker(BaseSpecWorker):
                             next_tokens, width=1, drafted=0, verified=False)
 
     @staticmethod
-    def _useful_drafts(batch) -> int:
-        """Most drafts any request can still use: a round emits at most drafts + 1 tokens."""
-        remaining = [
-            req.sampling_params.max_new_tokens - len(req.output_ids)
-            for req in batch.reqs if req.sampling_params.max_new_tokens is not None
+    def _room(batch) -> list[int]:
+        """New tokens each request may still emit before max_new_tokens (a round emits at
+        most drafts + 1)."""
+        return [
+            1 << 30 if req.sampling_params.max_new_tokens is None
+            else max(1, req.sampling_params.max_new_tokens - len(req.output_ids))
+            for req in batch.reqs
         ]
-        if len(remaining) < len(batch.reqs):
-            return 1 << 30
-        return max(0, max(remaining) - 1)
 
     def _decode(self, batch) -> GenerationBatchResult:
         state: VeriCacheDraftInput = batch.spec_info
@@ -295,8 +294,8 @@ class VeriCacheWorker(BaseSpecWorker):
         if not self._can_draft(batch):
             return self._plain_decode(batch, committed, bonus)
 
-        k = min(self.policy.batch_length([req.rid for req in batch.reqs]),
-                self._useful_drafts(batch))
+        room = self._room(batch)
+        k = min(self.policy.batch_length([req.rid for req in batch.reqs]), max(room) - 1)
         width = k + 1
         slots = batch.req_pool_indices
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
@@ -357,11 +356,14 @@ class VeriCacheWorker(BaseSpecWorker):
             torch.stack(draft_probs, dim=1) if draft_probs and rows.any_sampled else None,
             rows, positions,
         )
-        accept_lens = (accepted + 1).to(torch.int32)
-        new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         if k > 0:
             for req, a in zip(batch.reqs, accepted.tolist(), strict=True):
                 self.policy.update(req.rid, k, a)
+        # A request with less room than the batch's draft length emits only what fits, so
+        # its statistics count only drafts it emits (target[j] is draft j+1 for j < accepted).
+        accepted = accepted.clamp(max=torch.tensor(room, device=accepted.device) - 1)
+        accept_lens = (accepted + 1).to(torch.int32)
+        new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
                             committed + accept_lens, new_bonus, width=width, drafted=k,
                             verified=True)

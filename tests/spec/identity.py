@@ -1,0 +1,100 @@
+"""The real prompts and request helpers the identity tests share (tests/spec/test_identity*.py).
+
+The prompts are real: code continuation over Python standard library sources and chat
+instructions about them, four of them 2,000-6,000 tokens long (2,000-2,600: long
+enough for chunked prefill and a long compressed tier, short enough for a 2-core CI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.conftest import stdlib_source
+from vericache_sglang.server_process import ServerProcess
+
+NEW_TOKENS = 128
+
+
+def _code(module: str, start: int, stop: int) -> Callable:
+    """Continue a token slice of a module's source."""
+    return lambda tok: tok(stdlib_source(module))["input_ids"][start:stop]
+
+
+def chat(instruction: str, module: str | None = None, start: int = 0, stop: int = 0) -> Callable:
+    """A chat instruction, optionally about a token slice of a module's source."""
+    def ids(tok) -> list[int]:
+        text = instruction
+        if module is not None:
+            source = tok.decode(tok(stdlib_source(module))["input_ids"][start:stop])
+            text = f"{instruction}\n\n```python\n{source}\n```"
+        return tok.apply_chat_template([{"role": "user", "content": text}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    return ids
+
+
+# name -> token ids of the prompt. Code continues for NEW_TOKENS tokens (ignore_eos); chat
+# answers stop at the end-of-turn token like any chat request, or after NEW_TOKENS.
+PROMPTS: dict[str, Callable] = {
+    "textwrap_2000": _code("textwrap", 0, 2000),
+    "argparse_2300": _code("argparse", 6000, 8300),
+    "difflib_2600": _code("difflib", 2000, 4600),
+    "chat_json_decoder_2100": chat("Explain what this module does and how to use it.",
+                                   "json.decoder", 0, 2100),
+    "heapq_400": _code("heapq", 0, 400),
+    "bisect_300": _code("bisect", 300, 600),
+    "csv_700": _code("csv", 1000, 1700),
+    "fibonacci": lambda tok: tok("def fibonacci(n):")["input_ids"],
+    "chat_palindrome": chat("Write a Python function that checks whether a string is a "
+                            "palindrome, with a docstring and two doctests."),
+    "chat_list_tuple": chat("Explain the difference between a list and a tuple in Python."),
+    "chat_fnmatch": chat("What does this code do? Answer briefly.", "fnmatch", 0, 600),
+    "chat_queue_docstring": chat("Write better docstrings for the classes in this code.",
+                                 "queue", 0, 900),
+}
+LONG = [name for name in PROMPTS if name.split("_")[-1].isdigit()
+        and int(name.split("_")[-1]) >= 2000]
+
+
+def payload(ids: list[int], name: str = "", **params) -> dict:
+    """A greedy /generate request; code continues past EOS, chats stop at it."""
+    sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                "ignore_eos": not name.startswith("chat")}
+    return {"input_ids": ids, "sampling_params": {**sampling, **params}}
+
+
+def send_all(server: ServerProcess, payloads: list[dict]) -> list[dict]:
+    """Send the payloads concurrently (they share decode batches) and collect the answers."""
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(server.generate, payloads))
+
+
+def stats(out: dict) -> tuple[int, int, int]:
+    """(verification rounds, drafted tokens, accepted drafts) of one response."""
+    meta = out["meta_info"]
+    rounds = meta["spec_verify_ct"]
+    return rounds, round(meta["spec_cap_length"] * rounds), meta["spec_num_correct_drafts"]
+
+
+def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, list[int]],
+                           label: str) -> None:
+    """All twelve prompts in flight together on `server` and on plain SGLang: batched drafting
+    and verification over requests with different committed lengths, joining and leaving the
+    batch (chats end at their own EOS). Same tokens, same finish reasons; drafting happened
+    and some drafts were rejected, so the rejection path ran too."""
+    payloads = [payload(ids, name) for name, ids in prompt_ids.items()]
+    expected = plain.all(payloads)
+    got = send_all(server, payloads)
+    report = []
+    for name, want, out in zip(prompt_ids, expected, got, strict=True):
+        assert out["output_ids"] == want["output_ids"], f"{label}/{name}"
+        assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        rounds, drafted, accepted = stats(out)
+        # Each round emits its accepted drafts plus one token; the first token is prefill's.
+        assert len(out["output_ids"]) <= 1 + accepted + rounds and accepted <= drafted
+        report.append(f"{name}: {len(out['output_ids'])} tokens, {rounds} rounds, "
+                      f"{accepted}/{drafted} accepted")
+    print(f"\n[{label}]\n  " + "\n  ".join(report))
+    rounds, drafted, accepted = (sum(column) for column in zip(*map(stats, got), strict=True))
+    assert rounds < sum(len(out["output_ids"]) for out in got) / 2
+    assert accepted < drafted

@@ -1,0 +1,42 @@
+"""Lossless with a token-dropping tier and a short fixed draft length: SnapKV keeping 25 % of
+the tokens, 8 drafts per round, many of them rejected. Same prompts and checks as the 4-bit
+KIVI configuration in test_identity.py; the server lives only for this module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SERVER_ARGS
+from tests.spec.identity import assert_batch_identical, payload, stats
+from vericache_sglang.server_process import ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def snapkv_server(demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, [
+        *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.25",
+        "--vericache-draft-length", "8", "--vericache-min-draft-length", "8",
+        "--vericache-max-draft-length", "8",
+    ]) as server:
+        yield server
+
+
+def test_twelve_real_prompts_in_one_batch(snapkv_server, plain, prompt_ids):
+    assert_batch_identical(snapkv_server, plain, prompt_ids, "snapkv:ratio=0.25, k=8")
+
+
+def test_one_long_request_alone(snapkv_server, plain, prompt_ids):
+    """Alone in the batch: at most 8 drafts per round, some rejected, and the statistics add
+    up (each round emits its accepted drafts plus one token; the first token is prefill's)."""
+    request = payload(prompt_ids["argparse_2300"], "code")
+    out = snapkv_server.generate(request)
+    assert out["output_ids"] == plain(request)["output_ids"]
+    rounds, drafted, accepted = stats(out)
+    assert accepted < drafted <= 8 * rounds
+    assert len(out["output_ids"]) == 1 + accepted + rounds
+    assert sum(out["meta_info"]["spec_correct_drafts_histogram"]) == rounds
