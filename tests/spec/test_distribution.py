@@ -3,10 +3,9 @@
 Real servers, the demo model in float32 with the shared test arguments (`--random-seed 0`):
 the session's plain SGLang server, then VeriCache with 2-bit KIVI (32 full-precision recent
 tokens) and a fixed draft length of 4, lossy enough that many drafts are rejected, started
-and stopped here. Both answer the same
-batch: `SAMPLES` samples (`n`) of `NEW_TOKENS` tokens after a real prompt for each sampling
-configuration, and one greedy request (which must equal plain greedy output, token for token,
-while sharing rounds with sampled requests).
+and stopped here. Both answer the same batch: `SAMPLES` samples (`n`) of `NEW_TOKENS` tokens
+after a real prompt for each sampling configuration, and one greedy request (which must equal
+plain greedy output, token for token, while sharing rounds with sampled requests).
 
 For each configuration and each output position, a two-sample chi-square test compares the
 token counts of the two servers; tokens seen fewer than `MIN_CELL` times in both samples
@@ -14,7 +13,6 @@ together are pooled into one cell, so every cell expects about 5 or more per ser
 0 comes from prefill on both servers (a control); positions 1.. come from VeriCache's draft and
 verify rounds. Each of the M tests fails at p < `FAMILY_ALPHA` / M, so under exact sampling the
 module fails with probability below `FAMILY_ALPHA` = 1e-3 (Bonferroni).
-
 """
 
 from __future__ import annotations
