@@ -20,8 +20,9 @@ from vericache_sglang.server_process import ServerProcess
 
 NOT_BUILT_YET = (
     "Not built yet: the full tier off the device (host/disk/remote; --vericache-full-tier is "
-    "recorded but the full KV stays in SGLang's device pool), sampling inside drafts (sampled "
-    "requests decode one plain step at a time), and the overlap scheduler."
+    "recorded but the full KV stays in SGLang's device pool), drafting for requests with "
+    "penalties or returned logprobs (they decode one plain step at a time), and the overlap "
+    "scheduler."
 )
 
 
