@@ -13,6 +13,8 @@ prefills the prompt once in float32; then, per compressor spec:
 
 Not a test: it prints progress and a markdown table, and with --write-docs puts the table and
 the exact command into the marked section of docs/compressors.md.
+
+    .venv/bin/python -m bench.compress_quality --threads 1 --write-docs docs/compressors.md
 """
 
 from __future__ import annotations
@@ -20,16 +22,14 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import vericache_kernels as kernels
 
-from vericache_sglang.compress import Compressor, parse_compressor_spec
-from vericache_sglang.compress.hf_eval import (
+import vericache_kernels as kernels
+from bench.hf_eval import (
     LayerKV,
     StepRecord,
     greedy_compressed,
@@ -37,13 +37,14 @@ from vericache_sglang.compress.hf_eval import (
     load_model,
     prefill,
 )
+from vericache_sglang.compress import Compressor, parse_compressor_spec
+from vericache_sglang.prompts import LICENSES_DIR, STDLIB_DIR, file_ids
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 DEFAULT_FILES = [
-    str(STDLIB / "argparse.py"),
-    str(STDLIB / "textwrap.py"),
-    "/usr/share/common-licenses/GPL-3",
-    str(STDLIB / "difflib.py"),
+    str(STDLIB_DIR / "argparse.py"),
+    str(STDLIB_DIR / "textwrap.py"),
+    str(LICENSES_DIR / "GPL-3"),
+    str(STDLIB_DIR / "difflib.py"),
 ]
 DEFAULT_SPECS = [
     "streaming:ratio=1.0",  # control: keeps everything, so it must match all tokens
@@ -162,6 +163,7 @@ def write_docs(path: Path, command: str, table: str, notes: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m bench.compress_quality",
         description="Compression ratio, attention error and greedy-decoding agreement of KV "
                     "compressors on the demo model over real long inputs (not a test).",
     )
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = any(c.needs_scores and c.score_window() is None for c in compressors)
     for p, name in enumerate(args.files):
         length = args.tokens[p % len(args.tokens)]
-        ids = tokenizer(Path(name).read_text()).input_ids[:length]
+        ids = file_ids(tokenizer, Path(name).absolute(), length)
         log(f"prompt {p + 1}/{len(args.files)}: {name} ({len(ids)} tokens): prefill")
         layers = prefill(model, ids[:-1], window=window, total_scores=totals)
         log("full-KV greedy decoding")
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.time() - started) / 60
     log(f"done in {minutes:.1f} min")
     if args.write_docs:
-        command = "python bench/compress_quality.py " + shlex.join(
+        command = "python -m bench.compress_quality " + shlex.join(
             sys.argv[1:] if argv is None else argv
         )
         prompts = ", ".join(

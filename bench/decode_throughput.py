@@ -4,20 +4,19 @@ Reports server start-to-healthy time and decode tokens/s (prefill excluded: the 
 1-token request on the same prompt is subtracted) for a short and a long (stdlib source)
 prompt. Both servers run in one invocation so the ratio is measured under the same load.
 
-    .venv/bin/python bench/decode_throughput.py [--max-new-tokens 128] [--dtype bfloat16]
+    .venv/bin/python -m bench.decode_throughput [--max-new-tokens 128] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import textwrap
 import time
 
 from transformers import AutoTokenizer
 
 from vericache_sglang import models
+from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 CONFIGS = {"plain": [], "vericache": ["--enable-vericache"]}
@@ -42,7 +41,8 @@ def decode_tokens_per_second(server: ServerProcess, ids: list[int], n: int, repe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_throughput",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--long-prompt-tokens", type=int, default=2048)
@@ -54,7 +54,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = {
         "short": tokenizer("def fibonacci(n):")["input_ids"],
-        "long": tokenizer(inspect.getsource(textwrap))["input_ids"][: args.long_prompt_tokens],
+        "long": stdlib_ids(tokenizer, "textwrap", args.long_prompt_tokens),
     }
     results: dict[str, dict[str, float]] = {}
     for name, extra in CONFIGS.items():

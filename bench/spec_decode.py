@@ -25,8 +25,8 @@ Per configuration:
 Not a test: it prints a progress line per request and a markdown table, and with --write-docs
 puts the table and the exact command into the marked section of the given markdown file.
 
-    .venv/bin/python bench/spec_decode.py --quick
-    .venv/bin/python bench/spec_decode.py --write-docs docs/spec_decode.md
+    .venv/bin/python -m bench.spec_decode --quick
+    .venv/bin/python -m bench.spec_decode --write-docs docs/spec_decode.md
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ import argparse
 import json
 import shlex
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
+from vericache_sglang.prompts import file_prompt
 from vericache_sglang.server_process import ServerProcess
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # (stdlib source, prompt tokens): the start of each file.
 DEFAULT_PROMPTS = ["textwrap.py:2048", "argparse.py:3072", "difflib.py:4096", "inspect.py:6144"]
 DEFAULT_CONFIGS = ["kivi:bits=4@8", "kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32",
@@ -158,15 +157,10 @@ class Row:
 
 
 def load_prompts(entries: list[str], tokenizer) -> list[Prompt]:
-    prompts = []
-    for entry in entries:
-        name, _, tokens = entry.rpartition(":")
-        path = Path(name) if Path(name).is_absolute() else STDLIB / name
-        ids = tokenizer(path.read_text())["input_ids"][: int(tokens)]
-        if len(ids) < int(tokens):
-            raise SystemExit(f"{path} has only {len(ids)} tokens, {tokens} asked")
-        prompts.append(Prompt(f"{path.name}[:{len(ids)}]", ids))
-    return prompts
+    try:
+        return [Prompt(*file_prompt(tokenizer, entry)) for entry in entries]
+    except ValueError as error:  # a malformed entry or a file shorter than asked
+        raise SystemExit(str(error)) from error
 
 
 def _generate(server: ServerProcess, ids: list[int], n: int) -> tuple[dict, float]:
@@ -257,13 +251,14 @@ def write_docs(path: Path, command: str, body: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None,
                         help="HF model directory (default: the prepared demo model)")
     parser.add_argument("--prompts", nargs="+", default=None, metavar="FILE:TOKENS",
-                        help="stdlib source (or absolute path) and prompt tokens, one prompt "
-                        f"each (default: {' '.join(DEFAULT_PROMPTS)})")
+                        help="file under the stdlib directory or /usr/share/common-licenses "
+                        "(or an absolute path) and prompt tokens, one prompt each (default: "
+                        f"{' '.join(DEFAULT_PROMPTS)})")
     parser.add_argument("--configs", nargs="+", type=Config.parse, default=None,
                         metavar="SPEC@K", help="compressor spec at a fixed draft length k, one "
                         f"server each (default: {' '.join(DEFAULT_CONFIGS)})")
@@ -330,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     log(f"done in {minutes:.1f} min")
     if args.write_docs:
-        command = "python bench/spec_decode.py " + shlex.join(
+        command = "python -m bench.spec_decode " + shlex.join(
             sys.argv[1:] if argv is None else argv
         )
         write_docs(args.write_docs, command, body)

@@ -15,24 +15,22 @@ It prints per prompt and config the rounds, drafted/accepted drafts and E, so th
 figures (bench/spec_decode.py) can be checked against an independent implementation of the
 same scheme. Not a test.
 
-    .venv/bin/python bench/spec_offline.py --prompts textwrap.py:2048 --configs kivi:bits=4@16
+    .venv/bin/python -m bench.spec_offline --prompts textwrap.py:2048 --configs kivi:bits=4@16
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from bench.hf_eval import load_model, prefill
 from vericache_sglang.compress import parse_compressor_spec
-from vericache_sglang.compress.hf_eval import load_model, prefill
-
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
+from vericache_sglang.prompts import file_prompt
 
 
 def log(message: str) -> None:
@@ -112,11 +110,14 @@ def greedy_reference(model, ids: list[int], new_tokens: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.spec_offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--prompts", nargs="+", default=["textwrap.py:2048"],
-                        metavar="FILE:TOKENS")
+                        metavar="FILE:TOKENS",
+                        help="file under the stdlib directory or /usr/share/common-licenses "
+                        "(or an absolute path) and prompt tokens, one prompt each "
+                        "(default: %(default)s)")
     parser.add_argument("--configs", nargs="+", default=["kivi:bits=4@16"], metavar="SPEC@K")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--check-greedy", action="store_true",
@@ -131,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = prepare().target
     model, tokenizer = load_model(args.model)
     for entry in args.prompts:
-        name, _, tokens = entry.rpartition(":")
-        path = Path(name) if Path(name).is_absolute() else STDLIB / name
-        ids = tokenizer(path.read_text())["input_ids"][: int(tokens)]
+        label, ids = file_prompt(tokenizer, entry)
         reference = greedy_reference(model, ids, args.max_new_tokens) if args.check_greedy \
             else None
         for config in args.configs:
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             r = simulate(model, ids, spec, int(k), args.max_new_tokens)
             same = "" if reference is None else (
                 ", identical to greedy" if r["output"] == reference else ", DIFFERS FROM GREEDY")
-            log(f"{path.name}[:{len(ids)}] {config}: rounds {r['rounds']}, drafted "
+            log(f"{label} {config}: rounds {r['rounds']}, drafted "
                 f"{r['drafted']}, accepted {r['accepted']} "
                 f"({r['accepted'] / max(r['drafted'], 1):.1%}), E {r['E']:.2f}, "
                 f"full-k rounds by accepted {r['histogram']}{same} "

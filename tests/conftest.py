@@ -1,10 +1,9 @@
 """Shared fixtures: the demo model, real SGLang servers (one per configuration, shared by the
 whole session and always stopped by PID), HF transformers as the float32 reference, and real
-long prompts from the Python standard library."""
+long prompts from the Python standard library (vericache_sglang.prompts)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from vericache_sglang import models  # noqa: E402
+from vericache_sglang.prompts import stdlib_source  # noqa: E402, F401 (tests import it here)
 from vericache_sglang.server_process import ServerProcess  # noqa: E402
 
 
@@ -55,13 +55,12 @@ def plain_server(demo_model: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
     """The demo model served in float32 with VeriCache: 4-bit KIVI, draft length adapting
-    from 16 (the defaults), and a non-default full-tier budget."""
+    from 16 (the defaults)."""
     server = ServerProcess(demo_model, [
         *SERVER_ARGS,
         "--enable-vericache",
         "--vericache-compressor", "kivi:bits=4",
         "--vericache-draft-length", "16",
-        "--vericache-full-tier-budget", "2GiB",
     ])
     with server:
         yield server
@@ -87,10 +86,3 @@ def hf_reference(demo_model: Path):
 
     greedy.tokenizer = tokenizer
     return greedy
-
-
-def stdlib_source(module_name: str) -> str:
-    """The source of a Python standard library module: long, real text nobody here wrote."""
-    import importlib
-
-    return inspect.getsource(importlib.import_module(module_name))

@@ -19,6 +19,8 @@ BAD_FLAGS = {
                           "--vericache-full-tier-budget"),
     "bad placement": (["--enable-vericache", "--vericache-full-tier", "cloud"],
                       "--vericache-full-tier"),
+    "full tier not built yet": (["--enable-vericache", "--vericache-full-tier", "host"],
+                                "not built yet"),
     "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
 }
 

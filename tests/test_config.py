@@ -39,19 +39,20 @@ def test_cli_strings_are_converted():
     config = VeriCacheConfig.build({
         "enable_vericache": True,
         "vericache_draft_length": "32",
-        "vericache_full_tier": "disk",
-        "vericache_full_tier_budget": "4GiB",
+        "vericache_full_tier": "device",
     })
     assert config.vericache_draft_length == 32
-    assert config.vericache_full_tier == "disk"
-    assert config.vericache_full_tier_budget == 4 * 1024**3
+    assert config.vericache_full_tier == "device"
 
 
 def test_engine_values_are_accepted():
-    config = VeriCacheConfig.build({"enable_vericache": True, "vericache_draft_length": 24,
-                                    "vericache_full_tier_budget": 10**9})
+    config = VeriCacheConfig.build({"enable_vericache": True, "vericache_draft_length": 24})
     assert config.vericache_draft_length == 24
-    assert config.vericache_full_tier_budget == 10**9
+
+
+def test_size_parsing_for_budgets():
+    assert parse_size("4GiB") == 4 * 1024**3
+    assert parse_size("512MB") == 512 * 1000**2
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -62,7 +63,9 @@ def test_engine_values_are_accepted():
     ({"vericache_max_draft_length": "8"}, "min-draft-length <= --vericache-draft-length"),
     ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
     ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
-    ({"vericache_full_tier_budget": "0"}, "--vericache-full-tier-budget must be a positive size"),
+    ({"vericache_full_tier": "host"}, "--vericache-full-tier host is not built yet"),
+    ({"vericache_full_tier": "disk"}, "--vericache-full-tier disk is not built yet"),
+    ({"vericache_full_tier_budget": "4GiB"}, "--vericache-full-tier-budget is not built yet"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
 ])
 def test_invalid_values_raise_one_clear_error(values, message):

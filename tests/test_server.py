@@ -69,7 +69,17 @@ def test_chat_completions_match_hf_greedy(vericache_server, hf_reference):
 
 
 def test_server_info_reports_vericache_settings(vericache_server):
-    info = vericache_server.server_info()["vericache"]
+    server_info = vericache_server.server_info()
+    info = server_info["vericache"]
+    memory = info.pop("memory")
+    # Measured in the scheduler from the pools' storages: the full KV pool holds what SGLang
+    # reports, and 4-bit pages take under a fifth of float32 KV per token.
+    assert memory["full_kv_pool_tokens"] == server_info["max_total_num_tokens"]
+    assert memory["compressed_page_tokens"] == 32
+    assert 0 < memory["compressed_bytes_per_token"] < 0.2 * memory["full_kv_bytes_per_token"]
+    # Full pool plus compressed pool fit the bytes --max-total-tokens gives plain SGLang.
+    full_alone = 32768 * memory["full_kv_bytes_per_token"]
+    assert memory["full_kv_pool_bytes"] + memory["compressed_pool_bytes"] <= full_alone * 1.001
     compressor = info.pop("vericache_compressor")
     assert compressor.startswith("kivi:") and "bits=4" in compressor.split(":")[1].split(",")
     assert info == {
@@ -77,6 +87,6 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_draft_length": 16,
         "vericache_min_draft_length": 4,
         "vericache_max_draft_length": 64,
-        "vericache_full_tier": "host",
-        "vericache_full_tier_budget": 2 * 1024**3,
+        "vericache_full_tier": "device",
+        "vericache_full_tier_budget": None,
     }

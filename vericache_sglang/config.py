@@ -19,6 +19,12 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
+# Where a server's settings ride: not a ServerArgs field but a bookkeeping attribute, which
+# ServerArgs pickles to the scheduler process with the record and leaves writable after
+# resolution.
+CONFIG_ATTR = "_vericache"
+
+
 class VeriCacheConfigError(ValueError):
     """An invalid VeriCache setting; the message is the one line the user sees."""
 
@@ -77,10 +83,11 @@ class VeriCacheConfig:
         metadata={"help": "Upper bound of the adaptive draft length."},
     )
     vericache_full_tier: str = field(
-        default="host",
+        default="device",
         metadata={
-            "help": "Where the full-precision KV lives: 'device' (GPU memory), 'host' (CPU "
-            "memory), or 'disk'.",
+            "help": "Where the full-precision KV lives. Only 'device' (SGLang's own KV pool) "
+            "is built so far; 'host' and 'disk' are refused until the full tier can leave "
+            "the device.",
             "choices": FULL_TIER_PLACEMENTS,
         },
     )
@@ -88,7 +95,8 @@ class VeriCacheConfig:
         default=None,
         metadata={
             "help": "Most bytes the full tier may hold on host or disk, e.g. 8GiB or 512MB "
-            "(K/M/G decimal, Ki/Mi/Gi binary).",
+            "(K/M/G decimal, Ki/Mi/Gi binary). Not built yet: refused until --vericache-"
+            "full-tier host/disk exists.",
             "parse": parse_size,
         },
     )
@@ -113,8 +121,16 @@ class VeriCacheConfig:
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "
                 f"got {self.vericache_full_tier!r}"
             )
-        if self.vericache_full_tier_budget is not None and self.vericache_full_tier_budget <= 0:
-            raise VeriCacheConfigError("--vericache-full-tier-budget must be a positive size")
+        if self.vericache_full_tier != "device":
+            raise VeriCacheConfigError(
+                f"--vericache-full-tier {self.vericache_full_tier} is not built yet: the full "
+                "KV stays in SGLang's device pool; use 'device' (the default)"
+            )
+        if self.vericache_full_tier_budget is not None:
+            raise VeriCacheConfigError(
+                "--vericache-full-tier-budget is not built yet: the full KV stays in SGLang's "
+                "device pool, sized by --max-total-tokens / --mem-fraction-static"
+            )
         object.__setattr__(
             self, "vericache_compressor", _validated_compressor(self.vericache_compressor)
         )
@@ -198,3 +214,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def option_names() -> tuple[str, ...]:
     """The field names that also serve as `sglang.Engine` keyword arguments."""
     return tuple(f.name for f in dataclasses.fields(VeriCacheConfig))
+
+
+def get_config(server_args: Any) -> VeriCacheConfig:
+    """The VeriCache settings a server or engine was started with (defaults if none given)."""
+    return getattr(server_args, CONFIG_ATTR, None) or VeriCacheConfig()
+
+
+def attach_config(server_args: Any, config: VeriCacheConfig) -> None:
+    """Record `config` on a server-args record (see `CONFIG_ATTR`)."""
+    setattr(server_args, CONFIG_ATTR, config)

@@ -9,18 +9,18 @@ stops the server.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
-import textwrap
 import time
 
 from vericache_sglang import models
 from vericache_sglang.cpu.finder import nvidia_gpu_present
+from vericache_sglang.prompts import stdlib_source
 from vericache_sglang.server_process import ServerProcess
 
 NOT_BUILT_YET = (
-    "Not built yet: the full tier off the device (host/disk/remote; --vericache-full-tier is "
-    "recorded but the full KV stays in SGLang's device pool), drafting for requests with "
+    "Not built yet: the full tier off the device (host/disk/remote; --vericache-full-tier "
+    "accepts only 'device', and the full KV stays in SGLang's device pool beside the "
+    "compressed pool), drafting for requests with "
     "penalties or returned logprobs (they decode one plain step at a time), and the overlap "
     "scheduler."
 )
@@ -42,8 +42,7 @@ def vericache_stats(meta: dict) -> dict:
 
 def long_context_prompt(max_chars: int) -> str:
     """The start of a real standard-library module, for the model to continue."""
-    source = inspect.getsource(textwrap)
-    return source[:max_chars]
+    return stdlib_source("textwrap")[:max_chars]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     with server:
         print(f"server healthy after {server.startup_seconds:.1f} s")
         info = server.server_info()
+        settings = dict(info["vericache"])
+        memory = settings.pop("memory", {})
         print("VeriCache settings (/server_info):")
-        for key, value in info["vericache"].items():
+        for key, value in settings.items():
             print(f"  {key}: {value}")
+        print("Device KV memory, measured from the pools' tensors (/server_info):")
+        for key, value in memory.items():
+            print(f"  {key}: {round(value, 1) if isinstance(value, float) else value}")
 
         prompt = long_context_prompt(args.context_chars)
         began = time.monotonic()

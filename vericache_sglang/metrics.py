@@ -55,14 +55,16 @@ class VeriCacheMetrics:
             "plain_decode_steps", "Per-request decode steps served without drafting "
             "(requests with returned logprobs, penalties, logit bias, ...).")
         self.compressed_tier_bytes = Gauge(
-            "vericache:compressed_tier_bytes", "Bytes the compressed KV tier holds.",
+            "vericache:compressed_tier_bytes", "Device bytes the compressed KV holds, measured "
+            "from tensor storages: the compressed pool's pages in use (including those of "
+            "prefixes the radix cache keeps), request-owned blocks and drafting buffers.",
             labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
 
-    def record(self, counts: RoundCounts, tier_bytes: int) -> None:
-        """Add one scheduler step's counts and set the tier's current size."""
+    def record(self, counts: RoundCounts, held_bytes: int) -> None:
+        """Add one scheduler step's counts and set the compressed KV's current size."""
         self.verify_rounds.inc(counts.verify_rounds)
         self.drafted_tokens.inc(counts.drafted_tokens)
         self.accepted_drafts.inc(counts.accepted_drafts)
         self.emitted_tokens.inc(counts.emitted_tokens)
         self.plain_decode_steps.inc(counts.plain_decode_steps)
-        self.compressed_tier_bytes.set(tier_bytes)
+        self.compressed_tier_bytes.set(held_bytes)

@@ -18,27 +18,18 @@ from vericache_sglang.config import (
     VeriCacheConfig,
     VeriCacheConfigError,
     add_cli_args,
+    attach_config,
+    get_config,
     option_names,
 )
 from vericache_sglang.cpu.finder import install as install_cpu_support
-from vericache_sglang.spec import configure as configure_spec
-from vericache_sglang.spec import register as register_spec
+from vericache_sglang.speculative import configure as configure_spec
+from vericache_sglang.speculative import register as register_spec
+from vericache_sglang.tiers import budget
 
 logger = logging.getLogger(__name__)
 
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
-# Not a record field: a bookkeeping attribute, which ServerArgs pickles to the scheduler
-# process with the record and leaves writable after resolution.
-CONFIG_ATTR = "_vericache"
-
-
-def get_config(server_args: Any) -> VeriCacheConfig:
-    """The VeriCache settings a server or engine was started with (defaults if none given)."""
-    return getattr(server_args, CONFIG_ATTR, None) or VeriCacheConfig()
-
-
-def _attach(server_args: Any, config: VeriCacheConfig) -> None:
-    setattr(server_args, CONFIG_ATTR, config)
 
 
 def _add_cli_args(original, parser):
@@ -53,7 +44,7 @@ def _from_cli_args(original, cls, args):
     except VeriCacheConfigError as e:
         # One readable line and exit status 2, like an argparse error, instead of a traceback.
         raise SystemExit(f"vericache: error: {e}") from None
-    _attach(server_args, config)
+    attach_config(server_args, config)
     _default_device(server_args)
     configure_spec(server_args)
     if config.enable_vericache:
@@ -63,6 +54,16 @@ def _from_cli_args(original, cls, args):
 
 def _resolved_dict(result: dict[str, Any], server_args) -> dict[str, Any]:
     result["vericache"] = get_config(server_args).to_dict()
+    return result
+
+
+def _scheduler_init_info(result: dict[str, Any], scheduler) -> dict[str, Any]:
+    """The scheduler's handshake (merged into `/server_info` over the settings): the settings
+    plus what the compressed and full KV take on the device, measured where they live."""
+    worker = scheduler.draft_worker
+    if hasattr(worker, "memory_report"):
+        result["vericache"] = {**get_config(scheduler.server_args).to_dict(),
+                               "memory": worker.memory_report()}
     return result
 
 
@@ -79,7 +80,7 @@ class _EngineServerArgs:
     def __call__(self, **kwargs: Any) -> Any:
         config = VeriCacheConfig.build({name: kwargs.pop(name, None) for name in option_names()})
         server_args = self.server_args_class(**kwargs)
-        _attach(server_args, config)
+        attach_config(server_args, config)
         _default_device(server_args)
         configure_spec(server_args)
         return server_args
@@ -109,4 +110,7 @@ def register() -> None:
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_init_info",
+                          _scheduler_init_info, HookType.AFTER)
+    HookRegistry.register(budget.TARGET, budget.fit_compressed_pool, HookType.AROUND)
     _accept_engine_kwargs()

@@ -6,14 +6,14 @@ SmolLM2-135M-Instruct directory).
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from vericache_sglang.compress import hf_eval
+from bench import hf_eval
+from vericache_sglang.prompts import stdlib_ids
 
 REAL_TOKENS = 640
 REAL_LAYERS = (0, 14, 29)
@@ -32,9 +32,7 @@ class RealKV:
 def real_kv(demo_model: Path) -> RealKV:
     torch.manual_seed(0)
     model, tokenizer = hf_eval.load_model(demo_model)
-    text = Path(textwrap.__file__).read_text()
-    ids = tokenizer(text).input_ids[:REAL_TOKENS]
-    assert len(ids) == REAL_TOKENS, "textwrap.py is long enough"
+    ids = stdlib_ids(tokenizer, "textwrap", REAL_TOKENS)
     layers = hf_eval.prefill(model, ids, total_scores=False, keep_queries=True)
     config = model.config
     return RealKV(

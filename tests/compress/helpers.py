@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import CompressedKV, parse_compressor_spec
-from vericache_sglang.compress.hf_eval import causal_attention_probs
 
 HELD_OUT = 16
 """Prompt tokens held out of compression; their real queries probe the compressed prefix."""
@@ -76,10 +76,9 @@ def prefix_scores(real_kv, layer: int, window: int) -> tuple[torch.Tensor, torch
     """(window scores [Hq, window, n], summed scores [Hq, 1, n]) of the prompt minus HELD_OUT."""
     kv = real_kv.layers[layer]
     n = kv.keys.shape[0] - HELD_OUT
-    q = kv.queries[:n].transpose(0, 1)
-    k = kv.keys[:n].transpose(0, 1)
-    window_scores = causal_attention_probs(q[:, n - window:], k, n - window, real_kv.scaling)
-    total = causal_attention_probs(q, k, 0, real_kv.scaling).sum(1, keepdim=True)
+    q, k = kv.queries[:n], kv.keys[:n]
+    window_scores = causal_attention_probs(q[n - window:], k, n - window, real_kv.scaling)
+    total = causal_attention_probs(q, k, 0, real_kv.scaling, summed=True)
     return window_scores, total
 
 

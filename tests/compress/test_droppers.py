@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import DroppedKV, TokenDropper, param, parse_compressor_spec
-from vericache_sglang.compress.hf_eval import causal_attention_probs
 
 from .helpers import HELD_OUT, attention, budget, compress_prefix, prefix_scores
 
@@ -95,7 +95,7 @@ def test_attention_is_exact_attention_restricted(real_kv, spec: str) -> None:
     n = layer.keys.shape[0] - HELD_OUT
     q = layer.queries[n]
     group = q.shape[0] // block.num_kv_heads
-    probs = causal_attention_probs(q[:, None], layer.keys[:n].transpose(0, 1), n, real_kv.scaling)
+    probs = causal_attention_probs(q[None], layer.keys[:n], n, real_kv.scaling)
     kept = torch.zeros(block.num_kv_heads, n, dtype=torch.bool)
     kept.scatter_(1, block.positions(), True)
     kept_q = kept.repeat_interleave(group, 0)
@@ -137,8 +137,7 @@ def test_attention_aware_drops_beat_random(real_kv, spec: str) -> None:
         n = layer.keys.shape[0] - HELD_OUT
         chosen = compress_prefix(real_kv, index, spec)
         rand = RandomDrop(ratio=0.25).compress(layer.keys[:n], layer.values[:n], torch.arange(n))
-        q = layer.queries[n:].transpose(0, 1)
-        probs = causal_attention_probs(q, layer.keys[:n].transpose(0, 1), n, real_kv.scaling)
+        probs = causal_attention_probs(layer.queries[n:], layer.keys[:n], n, real_kv.scaling)
         assert _retained(probs, chosen) > _retained(probs, rand) + 0.1
 
 
@@ -165,8 +164,8 @@ def test_h2o_append_accumulates_and_evicts(real_kv) -> None:
     heads = block.num_kv_heads
     for i in range(n, n + HELD_OUT):
         keys = torch.cat([block.dense()[0], kv.keys[i:i + 1]])
-        probs = causal_attention_probs(kv.queries[i][:, None], keys.transpose(0, 1),
-                                       keys.shape[0], real_kv.scaling)
+        probs = causal_attention_probs(kv.queries[i][None], keys, keys.shape[0],
+                                       real_kv.scaling)
         gained = probs[:, 0].reshape(heads, -1, keys.shape[0]).sum(1)
         expected = [
             dict(zip(pos.tolist() + [i], (acc + gained[h, :-1]).tolist() + [gained[h, -1].item()],

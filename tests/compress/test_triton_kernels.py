@@ -20,9 +20,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from vericache_kernels import layout  # noqa: E402
 from vericache_kernels.attention_ref import decode_attention_ref  # noqa: E402
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
+
+from .test_paged_attention import SCALE, assert_close, packed_batch, paged_case  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
@@ -47,6 +48,7 @@ def test_kernels_under_the_interpreter() -> None:
 @pytest.fixture(scope="module")
 def interpreted():
     from triton.runtime.interpreter import InterpretedFunction
+
     from vericache_kernels import attention_triton, quant_triton
 
     for kernel in (quant_triton._quantize_pack_kernel, quant_triton._dequantize_kernel,
@@ -76,17 +78,6 @@ def test_quantize_and_dequantize_equal_reference(interpreted, bits, dtype, rows,
                        dequantize_unpack_ref(*want, group, bits, dtype))
 
 
-def _packed_batch(keys, values, lengths, bits, group, v_group) -> layout.PackedKV:
-    parts = [
-        layout.quantize_keys(k, group, bits, quantize_pack_ref)
-        + layout.quantize_values(v, v_group, bits, quantize_pack_ref)
-        for k, v in zip(keys, values, strict=True)
-    ]
-    return layout.PackedKV(*(torch.stack(t) for t in zip(*parts, strict=True)),
-                           lengths=torch.tensor(lengths, dtype=torch.int32), bits=bits,
-                           group=group, v_group=v_group)
-
-
 @interpreter_only
 @pytest.mark.parametrize(("bits", "heads", "group_size", "dim", "group"),
                          [(2, 2, 3, 24, 8), (4, 1, 4, 16, 4), (8, 3, 1, 32, 16)])
@@ -99,8 +90,8 @@ def test_decode_attention_equals_reference(interpreted, bits, heads, group_size,
     keys = torch.randn(batch, groups * group, heads, dim, generator=gen)
     values = torch.randn(batch, groups * group, heads, dim, generator=gen)
     # ragged requests: full, one group, nothing quantized
-    packed = _packed_batch(keys, values, [groups * group, group, 0], bits, group,
-                           math.gcd(group, dim))
+    packed = packed_batch(keys, values, [groups * group, group, 0], bits, group,
+                          math.gcd(group, dim)).as_paged()
     k_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
     v_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
     q = torch.randn(batch, heads * group_size, dim, generator=gen)
@@ -113,3 +104,13 @@ def test_decode_attention_equals_reference(interpreted, bits, heads, group_size,
     empty = torch.isinf(want[1])
     assert empty.any() and torch.equal(got[0][empty.nonzero()[:, 0]],
                                        torch.zeros_like(got[0][empty.nonzero()[:, 0]]))
+
+
+@interpreter_only
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_paged_decode_attention_equals_reference(interpreted, bits):
+    """The shuffled pool of test_paged_attention: pages found through the table, none other read."""
+    _, attn = interpreted
+    case = paged_case(bits)
+    args = (case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
+    assert_close(attn.decode_attention_triton(*args), decode_attention_ref(*args))

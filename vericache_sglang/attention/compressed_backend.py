@@ -10,14 +10,11 @@ and every token it drafts is verified over the full KV.
 
 from __future__ import annotations
 
-import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.tiers.compressed import CompressedTier
-
-# Queries per step when accumulating attention over a whole prompt (H2O-style scoring).
-_SCORE_CHUNK = 256
 
 
 class CompressedTierAttnBackend(TorchNativeAttnBackend):
@@ -49,7 +46,8 @@ class CompressedTierAttnBackend(TorchNativeAttnBackend):
             if window is not None:
                 cut = max(extend_len - window, 0)
                 queries, first = queries[cut:], first + cut
-            scores = _causal_scores(queries, k_buffer[rows], first, layer.scaling, window is None)
+            scores = causal_attention_probs(queries, k_buffer[rows], first, layer.scaling,
+                                            summed=window is None)
             self.tier.observe(layer.layer_id, slot, scores)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -73,26 +71,3 @@ class CompressedTierAttnBackend(TorchNativeAttnBackend):
             out[i] = block.attend(q[i], layer.scaling).to(out.dtype)
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-
-def _causal_scores(
-    queries: torch.Tensor, keys: torch.Tensor, first_pos: int, scale: float, summed: bool
-) -> torch.Tensor:
-    """Softmax attention of queries [W, Hq, D] at positions first_pos.. over keys [T, H, D].
-
-    Returns [Hq, W, T], or [Hq, 1, T] summed over the queries when `summed` (a whole prompt's
-    accumulated attention, computed in chunks so it never holds [Hq, T, T]).
-    """
-    group = queries.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(group, dim=1)
-    key_pos = torch.arange(keys.shape[0], device=keys.device)
-    parts = []
-    for begin in range(0, queries.shape[0], _SCORE_CHUNK):
-        chunk = queries[begin : begin + _SCORE_CHUNK].float()
-        pos = first_pos + begin + torch.arange(chunk.shape[0], device=keys.device)
-        logits = torch.einsum("whd,thd->hwt", chunk, k) * scale
-        logits.masked_fill_(key_pos[None, None, :] > pos[None, :, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        parts.append(probs.sum(dim=1, keepdim=True) if summed else probs)
-    if summed:
-        return torch.stack(parts).sum(dim=0)
-    return torch.cat(parts, dim=1)

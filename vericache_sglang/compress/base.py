@@ -19,9 +19,20 @@ from .params import CompressorSpecError, check_value, describe, format_value, sp
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors` (None counts as nothing), each storage once: what
+    is really allocated, including what a view keeps alive beyond its own elements."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
-    """Bytes held by the given tensors (None counts as nothing)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """`storage_bytes` of the given tensors."""
+    return storage_bytes(tensors)
 
 
 def round_half_up(x: float) -> int:
@@ -68,9 +79,17 @@ class CompressedKV(ABC):
         return None
 
     @abstractmethod
+    def attend_lse(
+        self, q: torch.Tensor, sm_scale: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of one query token q [Hq, D] over this block, reading the compressed
+        form directly (no dense copy is kept): (out [Hq, D], lse [Hq]) float32, the log-sum-exp
+        letting attention over other keys be merged in (`vericache_kernels.merge_attention`).
+        sm_scale defaults to D**-0.5."""
+
     def attend(self, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
-        """Decode attention of one query token q [Hq, D] over this block -> [Hq, D] float32,
-        reading the compressed form directly (no dense copy); sm_scale defaults to D**-0.5."""
+        """`attend_lse` without the log-sum-exp."""
+        return self.attend_lse(q, sm_scale)[0]
 
 
 def check_kv(
@@ -113,6 +132,10 @@ class Compressor(ABC):
     """Registered method name (set by `register_compressor`)."""
     needs_scores: ClassVar[bool] = False
     """Whether `compress` requires attention scores (token selection by attention)."""
+    prefix_stable: ClassVar[bool] = False
+    """Whether a whole group of tokens compresses to the same bytes whatever came before or
+    after it, so requests sharing a prefix can share its compressed pages
+    (`tiers.compressed_pool`). Token droppers pick tokens per request: they cannot."""
 
     def __post_init__(self) -> None:
         for key, (f, typ) in spec_params(type(self)).items():
@@ -193,9 +216,10 @@ class Compressor(ABC):
         compressing zeros of that shape (uniform scores for methods that need them)."""
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-        keys = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=torch.bfloat16)
+        keys, values = (torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=torch.bfloat16)
+                        for _ in range(2))
         scores = None
         if self.needs_scores:
             scores = torch.full((num_kv_heads, 1, num_tokens), 1.0 / max(num_tokens, 1))
-        block = self.compress(keys, keys, torch.arange(num_tokens), scores, layer=layer)
-        return tensor_bytes(keys, keys) / block.nbytes()
+        block = self.compress(keys, values, torch.arange(num_tokens), scores, layer=layer)
+        return tensor_bytes(keys, values) / block.nbytes()

@@ -50,8 +50,9 @@ class ComposedKV(CompressedKV):
     def positions(self) -> torch.Tensor:
         return self.slot_positions.long()
 
-    def attend(self, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
-        return self.inner.attend(q, sm_scale)
+    def attend_lse(self, q: torch.Tensor,
+                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.attend_lse(q, sm_scale)
 
 
 @dataclass(frozen=True)

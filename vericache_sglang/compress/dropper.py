@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 import vericache_kernels as kernels
 
 from .base import (
@@ -74,13 +75,14 @@ class DroppedKV(CompressedKV):
     def positions(self) -> torch.Tensor:
         return self.slot_positions.long()
 
-    def attend(self, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+    def attend_lse(self, q: torch.Tensor,
+                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([len(self)], device=q.device)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
-        out, _ = kernels.decode_attention(
+        out, lse = kernels.decode_attention(
             q[None], None, self.keys[None], self.values[None], lengths, scale
         )
-        return out[0]
+        return out[0], lse[0]
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep slots `keep` [H, k] (ascending per head), copying them out."""

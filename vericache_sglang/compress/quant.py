@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 import vericache_kernels as kernels
 
 from .base import CompressedKV, Compressor, check_kv, tensor_bytes
@@ -46,8 +47,6 @@ class QuantTier:
     v_codes: torch.Tensor
     v_scale: torch.Tensor
     v_zero: torch.Tensor
-    _dense: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    """Dequantized K/V, made on first read: a read cache, not storage."""
 
     @classmethod
     def quantize(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group: int) -> QuantTier:
@@ -63,15 +62,12 @@ class QuantTier:
         return (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._dense is None or self._dense[0].dtype != dtype:
-            keys = kernels.dequantize_keys(
-                self.k_codes, self.k_scale, self.k_zero, self.bits, dtype
-            )
-            values = kernels.dequantize_values(
-                self.v_codes, self.v_scale, self.v_zero, self.bits, dtype
-            )
-            self._dense = (keys, values)
-        return self._dense
+        """The tier's K/V in `dtype`: a new dense copy, which nothing here keeps."""
+        keys = kernels.dequantize_keys(self.k_codes, self.k_scale, self.k_zero, self.bits, dtype)
+        values = kernels.dequantize_values(
+            self.v_codes, self.v_scale, self.v_zero, self.bits, dtype
+        )
+        return keys, values
 
     def split(self, tokens: int, group: int) -> tuple[QuantTier, QuantTier]:
         """(first `tokens` tokens, the rest); `tokens` is a multiple of `group`."""
@@ -80,19 +76,12 @@ class QuantTier:
         # The tail stays in the block: copy it so it does not pin the head's memory.
         tail = QuantTier(self.bits, *(t[c:].clone() for t, c in zip(self.tensors(), cuts,
                                                                       strict=True)))
-        if self._dense is not None:
-            head._dense = (self._dense[0][:tokens], self._dense[1][:tokens])
-            tail._dense = (self._dense[0][tokens:].clone(), self._dense[1][tokens:].clone())
         return head, tail
 
     def concat(self, other: QuantTier) -> QuantTier:
-        """This tier followed by `other` (same bits); extends the read cache if there is one."""
+        """This tier followed by `other` (same bits)."""
         pairs = zip(self.tensors(), other.tensors(), strict=True)
-        tier = QuantTier(self.bits, *(torch.cat(p) for p in pairs))
-        if self._dense is not None:
-            dense = zip(self._dense, other.dequantize(self._dense[0].dtype), strict=True)
-            tier._dense = (*(torch.cat(p) for p in dense),)
-        return tier
+        return QuantTier(self.bits, *(torch.cat(p) for p in pairs))
 
     def packed(self, group: int) -> kernels.PackedKV:
         """This tier as a batch of one for `kernels.decode_attention`."""
@@ -137,7 +126,8 @@ class QuantizedKV(CompressedKV):
         new_k, new_v = self.recent.dequantize(self.dtype)
         return torch.cat([old_k, new_k, self.k_res]), torch.cat([old_v, new_v, self.v_res])
 
-    def attend(self, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+    def attend_lse(self, q: torch.Tensor,
+                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         res_len = torch.tensor([self.k_res.shape[0]], device=q.device)
         empty = self.k_res[:0][None]
@@ -148,7 +138,8 @@ class QuantizedKV(CompressedKV):
                 (self.recent, (self.k_res[None], self.v_res[None]), res_len),
             )
         ]
-        return kernels.merge_attention(parts)[0][0]
+        out, lse = kernels.merge_attention(parts)
+        return out[0], lse[0]
 
     def push(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add tokens to the residual, quantize its oldest whole groups beyond `residual`, and
@@ -181,6 +172,12 @@ class KiviQuantizer(Compressor):
     """Base of KIVI-style quantizers: methods map a layer index to a `QuantPlan`."""
 
     block_type: ClassVar[type[CompressedKV]] = QuantizedKV
+
+    @property
+    def prefix_stable(self) -> bool:  # type: ignore[override]
+        # A group's codes depend on its own tokens alone unless tokens are requantized as they
+        # age out of a recent tier.
+        return self.plan(0).recent == 0
 
     @abstractmethod
     def plan(self, layer: int) -> QuantPlan:

@@ -1,6 +1,8 @@
-"""The compressed tier: per request and layer, a compressed copy of the KV in the full pool.
+"""Request-owned compressed blocks: per request and layer, a compressed copy of its KV.
 
-The full tier is SGLang's KV pool (rows indexed through `req_to_token`). This tier follows it:
+For compressors that are not prefix-stable (token droppers pick tokens per request, and
+compositions with them): their blocks cannot be shared pages (`tiers.compressed_pool`). The full
+tier is SGLang's KV pool (rows indexed through `req_to_token`). This tier follows it:
 when attention asks for a request's block, new rows are compressed on the way (`append`), so
 each token is compressed once. Blocks are keyed by (layer, request slot) and remember the pool
 rows they cover; a slot whose rows no longer start with those is rebuilt, and the owner of a
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import CompressedKV, Compressor
 
 
@@ -70,7 +73,11 @@ class CompressedTier:
         """Compress the tokens the observed scores cover (the prompt); later ones are appended."""
         scores = self._observed.pop(key, None)
         if scores is None and self.compressor.needs_scores:
-            scores = _one_query_scores(query, k_buffer[rows], sm_scale)
+            if query is None:
+                raise ValueError("a token-selecting compressor needs observed scores or a query")
+            keys = k_buffer[rows]
+            scale = keys.shape[2] ** -0.5 if sm_scale is None else sm_scale
+            scores = causal_attention_probs(query[None], keys, len(rows) - 1, scale)
         n = len(rows) if scores is None else min(scores.shape[-1], len(rows))
         head = rows[:n]
         block = self.compressor.compress(
@@ -91,15 +98,3 @@ class CompressedTier:
         """Exact bytes the tier holds now."""
         return sum(e.block.nbytes() for e in self._entries.values())
 
-
-def _one_query_scores(
-    query: torch.Tensor | None, keys: torch.Tensor, sm_scale: float | None
-) -> torch.Tensor:
-    if query is None:
-        raise ValueError("a token-selecting compressor needs observed scores or a query")
-    heads, head_dim = keys.shape[1], keys.shape[2]
-    group = query.shape[0] // heads
-    k = keys.float().repeat_interleave(group, dim=1)  # [T, Hq, D]
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    logits = torch.einsum("hd,thd->ht", query.float(), k) * scale
-    return torch.softmax(logits, dim=-1).unsqueeze(1)  # [Hq, 1, T]

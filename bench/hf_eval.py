@@ -1,4 +1,4 @@
-"""Evaluate compressors on a real HF transformers model: the tests' real KV and the benchmark.
+"""Evaluate compressors on a real HF transformers model: the tests' real KV and the benchmarks.
 
 The model runs in float32 with an attention function that wraps SDPA, so that a prefill can
 record post-RoPE keys, values, queries and attention scores per layer, and greedy decoding can
@@ -20,7 +20,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from .base import CompressedKV, Compressor
+from vericache_sglang.attention.probs import causal_attention_probs
+from vericache_sglang.compress import CompressedKV, Compressor
 
 ATTENTION = "vericache_eval"
 # (module, query [B, Hq, q, D], key [B, H, k, D], value, scaling) -> output [B, q, Hq, D] or None
@@ -56,18 +57,6 @@ def load_model(path: str | Path) -> tuple[PreTrainedModel, AutoTokenizer]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation=ATTENTION)
     return model.eval(), tokenizer
-
-
-def causal_attention_probs(
-    queries: torch.Tensor, keys: torch.Tensor, first_position: int, scaling: float
-) -> torch.Tensor:
-    """Softmax attention of queries [Hq, m, D] at positions first_position.. over causally
-    visible keys [H, T, D] (GQA) -> [Hq, m, T]."""
-    group = queries.shape[0] // keys.shape[0]
-    logits = queries @ keys.repeat_interleave(group, 0).transpose(1, 2) * scaling
-    q_pos = first_position + torch.arange(queries.shape[1], device=queries.device)
-    visible = torch.arange(keys.shape[1], device=keys.device)[None] <= q_pos[:, None]
-    return logits.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
 @dataclass
@@ -113,27 +102,21 @@ def prefill(
     window: int = 32,
     total_scores: bool = True,
     keep_queries: bool = False,
-    chunk: int = 256,
 ) -> list[LayerKV]:
     """Run the prompt once with `use_cache=True`: every layer's K/V is the model's own
     `past_key_values`; queries and attention scores are recorded on the way (the summed scores
-    cost a second pass over all query-key pairs, in chunks of `chunk` queries)."""
+    cost a second pass over all query-key pairs, in chunks of queries)."""
     stats: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def record(module, query, key, value, scaling):
-        q, k = query[0], key[0]
-        n = k.shape[1]
+        q, k = query[0].transpose(0, 1), key[0].transpose(0, 1)  # [T, Hq, D], [T, H, D]
+        n = k.shape[0]
         w = min(window, n)
-        total = None
-        if total_scores:
-            total = sum(
-                causal_attention_probs(q[:, s:s + chunk], k, s, scaling).sum(1, keepdim=True)
-                for s in range(0, n, chunk)
-            )
+        total = causal_attention_probs(q, k, 0, scaling, summed=True) if total_scores else None
         stats[module.layer_idx] = (
-            causal_attention_probs(q[:, n - w:], k, n - w, scaling),
+            causal_attention_probs(q[n - w:], k, n - w, scaling),
             total,
-            q.transpose(0, 1).clone() if keep_queries else None,
+            q.clone() if keep_queries else None,
         )
         return None
 
@@ -228,7 +211,8 @@ class _CompressedLayer(DynamicLayer):
             n = self.lengths[i]
             scores = None
             if compressor.needs_scores:
-                scores = causal_attention_probs(query[i], keys[i, :, :n], n - 1, scaling)
+                scores = causal_attention_probs(query[i].transpose(0, 1),
+                                                keys[i, :, :n].transpose(0, 1), n - 1, scaling)
             compressor.append(block, keys[i, :, n - 1][None], values[i, :, n - 1][None],
                               position, scores)
         self.seen += 1

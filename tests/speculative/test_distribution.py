@@ -17,8 +17,6 @@ module fails with probability below `FAMILY_ALPHA` = 1e-3 (Bonferroni).
 
 from __future__ import annotations
 
-import inspect
-import json
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from tests.conftest import SERVER_ARGS
+from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -69,7 +68,7 @@ def runs(demo_model: Path, plain_server: ServerProcess) -> dict[str, dict[str, l
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
     # The json module's docstring, cut inside an example: several likely tokens per position.
-    ids = tokenizer(inspect.getsource(json))["input_ids"][:PROMPT_TOKENS]
+    ids = stdlib_ids(tokenizer, "json", PROMPT_TOKENS)
     result = {"plain": _answers(plain_server, ids)}
     with ServerProcess(demo_model, VERICACHE_ARGS) as server:
         began = time.monotonic()

@@ -59,9 +59,14 @@ def dequantize_unpack_ref(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Inverse of `quantize_pack_ref`: codes [R, L*bits/8] -> x [R, L] in `dtype`."""
-    rows, length = codes.shape[0], codes.shape[1] * (8 // bits)
+    per_byte = 8 // bits
+    rows, length = codes.shape[0], codes.shape[1] * per_byte
     check_packing(length, group, bits)
-    unpacked = (codes.to(torch.int32)[..., None] >> _shifts(bits, codes.device)) & ((1 << bits) - 1)
-    unpacked = unpacked.reshape(rows, length // group, group).float()
-    out = unpacked * scale.float()[..., None] + zero.float()[..., None]
+    # Decode attention dequantizes every chunk of context per step with this, so: one float32
+    # buffer, each lane unpacked straight into it, scaled in place (same float32 ops as Triton).
+    out = torch.empty(rows, codes.shape[1], per_byte, dtype=torch.float32, device=codes.device)
+    for lane in range(per_byte):
+        out[..., lane] = (codes >> (lane * bits)) & ((1 << bits) - 1)
+    out = out.reshape(rows, length // group, group)
+    out.mul_(scale.float()[..., None]).add_(zero.float()[..., None])
     return out.reshape(rows, length).to(dtype)

@@ -1,9 +1,10 @@
 """`VERICACHE` as an SGLang speculative algorithm, and the server settings it needs.
 
-`register()` adds the algorithm to SGLang's registry (every process that resolves server
-arguments or builds the scheduler must call it; the plugin entry point runs in each of them).
-`configure(server_args)` switches a not-yet-resolved record over to it when VeriCache is
-enabled: the algorithm, the overlap scheduler off, and the draft-width fields SGLang sizes its
+`register()` adds the algorithm through SGLang's public `SpeculativeAlgorithm.register` (every
+process that resolves server arguments or builds the scheduler must call it; the plugin entry
+point runs in each of them). `configure(server_args)` switches a not-yet-resolved record over
+to it when VeriCache is enabled; it is the one place the record is rewritten: the algorithm,
+the overlap scheduler and mixed chunking off, and the draft-width fields SGLang sizes its
 per-request KV reservation from (verify width = longest draft + 1 root token).
 """
 
@@ -12,19 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
+from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorithm
+
+from vericache_sglang.config import get_config
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "VERICACHE"
-
-
-def get_config(server_args: Any):
-    """The record's VeriCache settings (imported late: the plugin module imports this one)."""
-    from vericache_sglang.plugin import get_config as plugin_config
-
-    return plugin_config(server_args)
 
 
 class VeriCacheSpecAlgo(CustomSpecAlgo):
@@ -50,28 +45,24 @@ class VeriCacheSpecAlgo(CustomSpecAlgo):
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens,
                          needs_confidence_relay)
 
-    def handle_server_args(self, server_args: Any) -> None:
-        """Fill the speculative fields VERICACHE needs that the user left unset."""
-        config = get_config(server_args)
-        longest = config.vericache_max_draft_length
-        if server_args.speculative_num_draft_tokens is None:
-            server_args.speculative_num_draft_tokens = longest + 1
-        if server_args.speculative_num_steps is None:
-            server_args.speculative_num_steps = longest
-        if server_args.speculative_eagle_topk is None:
-            server_args.speculative_eagle_topk = 1
-        server_args.enable_mixed_chunk = False
-
 
 def _worker_class(server_args: Any) -> type:
-    from vericache_sglang.spec.worker import VeriCacheWorker
+    from vericache_sglang.speculative.worker import VeriCacheWorker
 
     return VeriCacheWorker
 
 
+def _registered() -> bool:
+    try:
+        SpeculativeAlgorithm.from_string(ALGORITHM)
+    except ValueError:
+        return False
+    return True
+
+
 def register() -> None:
     """Register VERICACHE with SGLang (idempotent)."""
-    if get_spec(ALGORITHM) is None:
+    if not _registered():
         SpeculativeAlgorithm.register(
             ALGORITHM, supports_overlap=False, spec_class=VeriCacheSpecAlgo
         )(_worker_class)

@@ -1,4 +1,5 @@
-"""The real prompts and request helpers the identity tests share (tests/spec/test_identity*.py).
+"""The real prompts and request helpers the identity tests share
+(tests/speculative/test_identity*.py).
 
 The prompts are real: code continuation over Python standard library sources and chat
 instructions about them, four of them 2,000-6,000 tokens long (2,000-2,600: long
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.conftest import stdlib_source
+from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 NEW_TOKENS = 128
@@ -18,7 +19,7 @@ NEW_TOKENS = 128
 
 def _code(module: str, start: int, stop: int) -> Callable:
     """Continue a token slice of a module's source."""
-    return lambda tok: tok(stdlib_source(module))["input_ids"][start:stop]
+    return lambda tok: stdlib_ids(tok, module, stop - start, start=start)
 
 
 def chat(instruction: str, module: str | None = None, start: int = 0, stop: int = 0) -> Callable:
@@ -26,7 +27,7 @@ def chat(instruction: str, module: str | None = None, start: int = 0, stop: int 
     def ids(tok) -> list[int]:
         text = instruction
         if module is not None:
-            source = tok.decode(tok(stdlib_source(module))["input_ids"][start:stop])
+            source = tok.decode(stdlib_ids(tok, module, stop - start, start=start))
             text = f"{instruction}\n\n```python\n{source}\n```"
         return tok.apply_chat_template([{"role": "user", "content": text}],
                                        add_generation_prompt=True, tokenize=True, return_dict=False)

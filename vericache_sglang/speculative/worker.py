@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from sglang.srt.managers.utils import GenerationBatchResult
@@ -40,73 +40,56 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.spec_info import SpecInput, SpecInputType, SpeculativeAlgorithm
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.config import get_config
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
-from vericache_sglang.plugin import get_config
-from vericache_sglang.spec.attention import DraftAttnBackend, VerifyAttnBackend
-from vericache_sglang.spec.grammar import RoundGrammar
-from vericache_sglang.spec.policy import DraftLengthPolicy
-from vericache_sglang.spec.sampling import (
+from vericache_sglang.speculative.grammar import RoundGrammar
+from vericache_sglang.speculative.info import VeriCacheDraftInput, VeriCacheVerifyInput
+from vericache_sglang.speculative.policy import DraftLengthPolicy
+from vericache_sglang.speculative.sampling import (
     SamplingRows,
     draft_tokens,
     sampler_supported,
     verify_tokens,
 )
 from vericache_sglang.tiers.compressed import CompressedTier
+from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class VeriCacheDraftInput(SpecInput):
-    """State carried between rounds: each request's last emitted token (no KV yet)."""
+class _Round:
+    """One decode round of a batch, from planning to acceptance."""
 
-    bonus_tokens: torch.Tensor
-    new_seq_lens: torch.Tensor
-
-    # FutureMap compatibility (the overlap relay reads these Eagle-shaped fields).
-    topk_p: ClassVar[torch.Tensor | None] = None
-    topk_index: ClassVar[torch.Tensor | None] = None
-    hidden_states: ClassVar[torch.Tensor | None] = None
-    future_indices: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        super().__init__(SpecInputType.UNO_STATE)
-        self.num_tokens_per_req = 1
-        self.num_tokens_for_logprob_per_req = 1
-
-    def filter_batch(self, new_indices: torch.Tensor, new_indices_cpu: Any = None) -> None:
-        """Keep the rows of the requests that stay in the batch."""
-        self.bonus_tokens = self.bonus_tokens[new_indices]
-        self.new_seq_lens = self.new_seq_lens[new_indices]
-
-    def merge_batch(self, other: VeriCacheDraftInput) -> None:
-        """Append another batch's rows."""
-        if not isinstance(other, VeriCacheDraftInput):
-            raise TypeError(f"cannot merge VeriCacheDraftInput with {type(other).__name__}")
-        self.bonus_tokens = torch.cat([self.bonus_tokens, other.bonus_tokens])
-        self.new_seq_lens = torch.cat([self.new_seq_lens, other.new_seq_lens])
-
-
-@dataclass
-class VeriCacheVerifyInput(SpecInput):
-    """Metadata of one TARGET_VERIFY forward: `draft_token_num` tokens per request (a chain)."""
-
-    draft_token_num: int
+    k: int
+    """Draft length of the batch."""
+    room: list[int]
+    """New tokens each request may still emit."""
+    committed: torch.Tensor
+    """[bs] committed KV length (the bonus token's position)."""
+    committed_cpu: torch.Tensor
     positions: torch.Tensor
-    custom_mask: torch.Tensor | None = None
-    capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    """[bs, k + 1] positions of the chain t0, d1..dk."""
+    locs: torch.Tensor
+    """[bs, k + 1] full-pool slots the chain's K/V go to when verified."""
+    tokens: list[torch.Tensor]
+    """t0 (the last emitted token), then each drafted token [bs]."""
+    grammar: RoundGrammar | None
+    rows: SamplingRows
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    """q of each draft step, for the requests that sample."""
+    round_buffer_bytes: int = 0
+    """Bytes of the drafting buffers at the round's last step."""
 
-    def __post_init__(self) -> None:
-        super().__init__(SpecInputType.UNO_VERIFY)
-        self.num_tokens_per_req = self.draft_token_num
-        self.num_tokens_for_logprob_per_req = self.draft_token_num
-
-    @property
-    def tree_topk(self) -> int:
-        return 1
+    def chain(self) -> torch.Tensor:
+        """[bs, k + 1]: t0, d1..dk."""
+        return torch.stack(self.tokens, dim=1)
 
 
 class VeriCacheWorker(BaseSpecWorker):
@@ -134,6 +117,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.topk = 1
         # Built in init_attention_backends(), once the target's KV pools exist.
         self.tier: CompressedTier | None = None
+        self.pool: CompressedPagePool | None = None
         self.draft_backend: DraftAttnBackend | None = None
         self.verify_backend: VerifyAttnBackend | None = None
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
@@ -159,9 +143,45 @@ class VeriCacheWorker(BaseSpecWorker):
         return None
 
     def init_attention_backends(self) -> None:
+        runner = self.model_runner
         self.tier = CompressedTier(self.compressor)
-        self.draft_backend = DraftAttnBackend(self.model_runner, self.tier)
-        self.verify_backend = VerifyAttnBackend(self.model_runner)
+        if self.compressor.prefix_stable:
+            self.pool = CompressedPagePool(
+                self.compressor, runner.token_to_kv_pool,
+                num_pages=pool_pages(self.compressor, runner.max_total_num_tokens),
+            )
+            self.pool.follow(runner.token_to_kv_pool_allocator)
+        self.draft_backend = DraftAttnBackend(runner, self.tier, self.pool)
+        self.verify_backend = VerifyAttnBackend(runner)
+        logger.info("VeriCache memory: %s", self.memory_report())
+
+    def memory_report(self) -> dict[str, Any]:
+        """What each form of the KV takes on the device, measured from tensor storages: for the
+        startup log and `/server_info`."""
+        full_pool = self.model_runner.token_to_kv_pool
+        full_bytes = storage_bytes([*full_pool.k_buffer, *full_pool.v_buffer])
+        tokens = self.model_runner.max_total_num_tokens
+        report: dict[str, Any] = {
+            "full_kv_pool_bytes": full_bytes,
+            "full_kv_pool_tokens": tokens,
+            "full_kv_bytes_per_token": full_bytes / (tokens + 1),  # SGLang pads one slot
+        }
+        if self.pool is not None:
+            pool_bytes = self.pool.allocated_bytes()
+            report.update({
+                "compressed_pool_bytes": pool_bytes,
+                "compressed_pool_pages": self.pool.num_pages,
+                "compressed_page_tokens": self.pool.group,
+                "compressed_bytes_per_token": pool_bytes / (self.pool.num_pages
+                                                            * self.pool.group),
+            })
+        return report
+
+    def held_bytes(self) -> int:
+        """Bytes the compressed KV holds on the device now: the pool's used pages, the
+        request-owned blocks and the current round's buffers."""
+        pool = 0 if self.pool is None else self.pool.held_bytes()
+        return pool + self.tier.nbytes() + self.draft_backend.round_buffer_bytes()
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -287,36 +307,47 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _decode(self, batch) -> GenerationBatchResult:
         state: VeriCacheDraftInput = batch.spec_info
-        bs = len(batch.reqs)
         committed = batch.seq_lens.to(torch.int64)
-        committed_cpu = committed.cpu()
         bonus = state.bonus_tokens.reshape(-1).to(torch.int64)
         if not self._can_draft(batch):
             return self._plain_decode(batch, committed, bonus)
+        round_ = self._plan_round(batch, committed, bonus)
+        self._draft(batch, round_)
+        logits = self._verify(batch, round_)
+        return self._accept(batch, round_, logits)
 
+    def _plan_round(self, batch, committed: torch.Tensor, bonus: torch.Tensor) -> _Round:
+        """The round's draft length and where its tokens' K/V go (the slots SGLang reserved
+        beyond each request's committed length)."""
         room = self._room(batch)
         k = min(self.policy.batch_length([req.rid for req in batch.reqs]), max(room) - 1)
-        width = k + 1
-        slots = batch.req_pool_indices
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        positions = committed[:, None] + torch.arange(width, device=committed.device)
-        locs = req_to_token[slots.to(torch.int64)[:, None], positions].to(torch.int64)
+        positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
+        locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
+        return _Round(
+            k=k, room=room, committed=committed, committed_cpu=committed.cpu(),
+            positions=positions, locs=locs.to(torch.int64), tokens=[bonus],
+            grammar=RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, k + 1),
+            rows=SamplingRows.from_sampling_info(batch.sampling_info),
+        )
 
-        # 1. Draft on the compressed tier (under each request's grammar, if it has one).
-        grammar = RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, width)
-        tokens = [bonus]
-        rows = SamplingRows.from_sampling_info(batch.sampling_info)
-        draft_probs = []  # q of each step, for the requests that sample
-        self.draft_backend.begin_round(committed_cpu.tolist(), k)
+    def _draft(self, batch, round_: _Round) -> None:
+        """k one-token forwards over the compressed KV (under each request's grammar, if it has
+        one), appending d1..dk to `round_.tokens` and each step's q to `round_.draft_probs`."""
+        bs, grammar = len(batch.reqs), round_.grammar
+        slots = batch.req_pool_indices
+        self.draft_backend.begin_round(slots.tolist(), round_.committed_cpu.tolist(), round_.k)
         try:
-            for step in range(k):
+            for step in range(round_.k):
                 self.draft_backend.set_step(step)
-                lens_cpu = committed_cpu + step + 1
+                lens_cpu = round_.committed_cpu + step + 1
                 fb = ForwardBatch(
-                    forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=tokens[-1],
-                    req_pool_indices=slots, seq_lens=committed + step + 1,
-                    out_cache_loc=locs[:, step].contiguous(), seq_lens_sum=int(lens_cpu.sum()),
-                    seq_lens_cpu=lens_cpu, positions=positions[:, step].contiguous(),
+                    forward_mode=ForwardMode.DECODE, batch_size=bs,
+                    input_ids=round_.tokens[-1], req_pool_indices=slots,
+                    seq_lens=round_.committed + step + 1,
+                    out_cache_loc=round_.locs[:, step].contiguous(),
+                    seq_lens_sum=int(lens_cpu.sum()), seq_lens_cpu=lens_cpu,
+                    positions=round_.positions[:, step].contiguous(),
                     spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
                     capture_hidden_mode=CaptureHiddenMode.NULL,
                     return_hidden_states_before_norm=False,
@@ -324,48 +355,58 @@ class VeriCacheWorker(BaseSpecWorker):
                 logits = self._forward(self.draft_backend, fb).next_token_logits
                 if grammar is not None:
                     grammar.constrain_draft(logits, step)
-                token, q = draft_tokens(logits, rows, positions[:, step])
-                tokens.append(token)
-                draft_probs.append(q)
+                token, q = draft_tokens(logits, round_.rows, round_.positions[:, step])
+                round_.tokens.append(token)
+                round_.draft_probs.append(q)
                 if grammar is not None:
-                    grammar.advance(tokens[-1])
+                    grammar.advance(token)
+            round_.round_buffer_bytes = self.draft_backend.round_buffer_bytes()
         finally:
             self.draft_backend.end_round()
             if grammar is not None:
                 grammar.finish_drafting()
-        chain = torch.stack(tokens, dim=1)  # [bs, width]: t0, d1..dk
 
-        # 2. Verify over the full KV.
-        verify = VeriCacheVerifyInput(draft_token_num=width, positions=positions.reshape(-1))
+    def _verify(self, batch, round_: _Round):
+        """One TARGET_VERIFY forward of [t0, d1..dk] over the full KV: the full model's logits
+        at every position of the chain."""
+        bs, width = len(batch.reqs), round_.k + 1
+        chain = round_.chain()
         fb = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=chain.reshape(-1),
-            req_pool_indices=slots, seq_lens=committed, out_cache_loc=locs.reshape(-1),
-            seq_lens_sum=int(committed_cpu.sum()), seq_lens_cpu=committed_cpu,
-            positions=positions.reshape(-1), spec_algorithm=batch.spec_algorithm,
-            spec_info=verify, capture_hidden_mode=CaptureHiddenMode.NULL,
-            return_hidden_states_before_norm=False,
+            req_pool_indices=batch.req_pool_indices, seq_lens=round_.committed,
+            out_cache_loc=round_.locs.reshape(-1),
+            seq_lens_sum=int(round_.committed_cpu.sum()), seq_lens_cpu=round_.committed_cpu,
+            positions=round_.positions.reshape(-1), spec_algorithm=batch.spec_algorithm,
+            spec_info=VeriCacheVerifyInput(draft_token_num=width,
+                                           positions=round_.positions.reshape(-1)),
+            capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
         )
         logits_output = self._forward(self.verify_backend, fb)
-        if grammar is not None:
-            grammar.constrain_verify(logits_output.next_token_logits)
+        if round_.grammar is not None:
+            round_.grammar.constrain_verify(logits_output.next_token_logits)
+        return logits_output
 
-        # 3. Accept the longest prefix the full model would have chosen itself (greedy and
-        # seeded requests) or rejection sample (the others), plus the full model's next token.
+    def _accept(self, batch, round_: _Round, logits_output) -> GenerationBatchResult:
+        """Accept the longest prefix the full model would have chosen itself (greedy and seeded
+        requests) or rejection sample (the others), plus the full model's next token."""
+        bs, k, width = len(batch.reqs), round_.k, round_.k + 1
+        chain = round_.chain()
         accepted, target = verify_tokens(
             logits_output.next_token_logits.view(bs, width, -1), chain[:, 1:],
-            torch.stack(draft_probs, dim=1) if draft_probs and rows.any_sampled else None,
-            rows, positions,
+            torch.stack(round_.draft_probs, dim=1)
+            if round_.draft_probs and round_.rows.any_sampled else None,
+            round_.rows, round_.positions,
         )
         if k > 0:
             for req, a in zip(batch.reqs, accepted.tolist(), strict=True):
                 self.policy.update(req.rid, k, a)
         # A request with less room than the batch's draft length emits only what fits, so
         # its statistics count only drafts it emits (target[j] is draft j+1 for j < accepted).
-        accepted = accepted.clamp(max=torch.tensor(room, device=accepted.device) - 1)
+        accepted = accepted.clamp(max=torch.tensor(round_.room, device=accepted.device) - 1)
         accept_lens = (accepted + 1).to(torch.int32)
         new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
-                            committed + accept_lens, new_bonus, width=width, drafted=k,
+                            round_.committed + accept_lens, new_bonus, width=width, drafted=k,
                             verified=True)
 
     def _result(self, logits_output, output_ids: torch.Tensor, accept_lens: torch.Tensor,
@@ -393,4 +434,5 @@ class VeriCacheWorker(BaseSpecWorker):
                   if verified else RoundCounts(plain_decode_steps=bs))
         self.totals.add(counts)
         if self.metrics is not None:
-            self.metrics.record(counts, self.tier.nbytes())
+            self.metrics.record(counts, self.held_bytes())
+

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.conftest import SERVER_ARGS, stdlib_source
-from tests.spec.identity import assert_batch_identical, chat, payload, send_all, stats
+from tests.speculative.identity import assert_batch_identical, chat, payload, send_all, stats
 from vericache_sglang.server_process import ServerProcess
 
 # Server start-up and the twelve long generations run inside the first test.

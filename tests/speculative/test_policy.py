@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vericache_sglang.spec.policy import DraftLengthPolicy
+from vericache_sglang.speculative.policy import DraftLengthPolicy
 
 
 def test_draft_length_policy_adapts():

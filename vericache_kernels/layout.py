@@ -8,7 +8,9 @@ tokens, H KV heads, head dim D and b bits (pb = 8 // b values per byte):
   v_codes [n, H, D // pb] uint8                   v_scale, v_zero [n, H, D // v_group] fp16
 
 Both grow along dim 0 as groups are appended. `PackedKV` adds a leading batch dim (padded to the
-longest request) for the batched decode-attention kernel.
+longest request). `PagedKV` is the form decode attention reads: a pool of pages, one key group
+of `group` tokens each, that requests address through a page table, so one kernel serves a
+serving engine's page pool and a padded batch alike (`PackedKV.as_paged`).
 """
 
 from __future__ import annotations
@@ -122,5 +124,50 @@ class PackedKV:
     """Bits per code."""
     group: int
     """Tokens per key group."""
+    v_group: int
+    """Channels per value group."""
+
+    def as_paged(self) -> PagedKV:
+        """The same K/V as pages (views, for contiguous tensors): batch and groups flattened,
+        request b owning pages b*NG .. b*NG + NG - 1."""
+        batch, groups = self.k_codes.shape[:2]
+
+        def pages(values: torch.Tensor) -> torch.Tensor:
+            return values.reshape(batch * groups, self.group, *values.shape[2:])
+
+        table = torch.arange(batch * groups, dtype=torch.int32, device=self.k_codes.device)
+        return PagedKV(
+            self.k_codes.flatten(0, 1), self.k_scale.flatten(0, 1), self.k_zero.flatten(0, 1),
+            pages(self.v_codes), pages(self.v_scale), pages(self.v_zero),
+            page_table=table.reshape(batch, groups), lengths=self.lengths, bits=self.bits,
+            group=self.group, v_group=self.v_group,
+        )
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Packed K/V of one layer as a pool of pages (one key group each) read via a page table."""
+
+    k_codes: torch.Tensor
+    """[P, H, D, group // pb] uint8: the key layout above, one page per group."""
+    k_scale: torch.Tensor
+    """[P, H, D] fp16."""
+    k_zero: torch.Tensor
+    """[P, H, D] fp16."""
+    v_codes: torch.Tensor
+    """[P, group, H, D // pb] uint8: the value layout above, cut into pages."""
+    v_scale: torch.Tensor
+    """[P, group, H, D // v_group] fp16."""
+    v_zero: torch.Tensor
+    """[P, group, H, D // v_group] fp16."""
+    page_table: torch.Tensor
+    """[B, max_pages] int32: each request's page ids in token order; entries past its
+    lengths[b] // group pages are never read (any value, -1 included)."""
+    lengths: torch.Tensor
+    """[B] int32: quantized tokens per request, a multiple of `group`."""
+    bits: int
+    """Bits per code."""
+    group: int
+    """Tokens per key group, i.e. per page."""
     v_group: int
     """Channels per value group."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SERVER_ARGS
-from tests.spec.identity import assert_batch_identical, payload, stats
+from tests.speculative.identity import assert_batch_identical, payload, stats
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]

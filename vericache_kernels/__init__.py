@@ -10,12 +10,13 @@ import torch
 
 from . import layout
 from .attention_ref import decode_attention_ref, merge_attention
-from .layout import PackedKV
+from .layout import PackedKV, PagedKV
 from .quant_ref import SUPPORTED_BITS, dequantize_unpack_ref, quantize_pack_ref
 
 __all__ = [
     "SUPPORTED_BITS",
     "PackedKV",
+    "PagedKV",
     "decode_attention",
     "dequantize_keys",
     "dequantize_unpack",
@@ -80,7 +81,7 @@ def dequantize_values(
 
 def decode_attention(
     q: torch.Tensor,
-    packed: PackedKV | None,
+    packed: PackedKV | PagedKV | None,
     k_res: torch.Tensor,
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
@@ -88,10 +89,12 @@ def decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query per request over packed K/V plus fp residual: (out, lse), float32.
 
-    q [B, Hq, D]; packed: `PackedKV` or None; k_res/v_res [B, R, H, D]; res_lengths [B].
+    q [B, Hq, D]; packed: `PagedKV`, `PackedKV` (read as its pages) or None; k_res/v_res
+    [B, R, H, D]; res_lengths [B].
     """
+    paged = packed.as_paged() if isinstance(packed, PackedKV) else packed
     if q.is_cuda:
         from .attention_triton import decode_attention_triton
 
-        return decode_attention_triton(q, packed, k_res, v_res, res_lengths, sm_scale)
-    return decode_attention_ref(q, packed, k_res, v_res, res_lengths, sm_scale)
+        return decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale)
+    return decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)

@@ -17,9 +17,10 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from tests.compress.helpers import attention
+from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
-from vericache_sglang.spec.attention import DraftAttnBackend, VerifyAttnBackend
-from vericache_sglang.spec.worker import VeriCacheVerifyInput
+from vericache_sglang.speculative.info import VeriCacheVerifyInput
 from vericache_sglang.tiers.compressed import CompressedTier
 
 Q_HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -64,7 +65,7 @@ def test_draft_reads_the_tier_prefix_and_an_exact_tail_and_writes_nothing():
     backend = DraftAttnBackend(p.runner, p.tier)
     pool_before = (p.pool.k_buffer[0].clone(), p.pool.v_buffer[0].clone())
     steps = 3
-    backend.begin_round([PREFIX], steps)
+    backend.begin_round([SLOT], [PREFIX], steps)
     for step in range(steps):
         t = PREFIX + step
         backend.set_step(step)
@@ -85,7 +86,7 @@ def test_draft_reads_the_tier_prefix_and_an_exact_tail_and_writes_nothing():
 
 def test_draft_step_outside_the_round_is_refused():
     backend = DraftAttnBackend(Pools().runner, CompressedTier(parse_compressor_spec("kivi:bits=4")))
-    backend.begin_round([PREFIX], 2)
+    backend.begin_round([SLOT], [PREFIX], 2)
     with pytest.raises(ValueError):
         backend.set_step(2)
 

@@ -1,8 +1,10 @@
-"""Triton decode attention reading packed K/V directly (dequantize on read) plus an fp residual.
+"""Triton decode attention reading paged packed K/V directly (dequantize on read) plus an fp
+residual.
 
 One program per (request, KV head) handles all query heads of that GQA group, so each packed
-K/V byte is read once per group; an online softmax runs over the quantized tokens and then over
-the residual tokens. Contract as in `attention_ref.decode_attention_ref`.
+K/V byte is read once per group; an online softmax runs over the quantized tokens, found through
+the page table (token t of request b lies in page page_table[b, t // GROUP]), and then over the
+residual tokens. Contract as in `attention_ref.decode_attention_ref`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import PackedKV
+from .layout import PagedKV
 from .quant_triton import unpack_codes
 
 BLOCK_N = 16
@@ -31,9 +33,9 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, q_len_ptr,
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, q_len_ptr,
     kr_ptr, vr_ptr, r_len_ptr, o_ptr, lse_ptr,
-    sm_scale, n_groups_max, n_res_max, kv_heads, group_size,
+    sm_scale, max_pages, n_res_max, kv_heads, group_size,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     BITS: tl.constexpr, PER_BYTE: tl.constexpr, HAS_QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -56,17 +58,19 @@ def _decode_attention_kernel(
             t = start + tl.arange(0, BLOCK_N)
             valid = t < n_quant
             mask = valid[:, None] & d_ok[None, :]
-            # keys: byte (group, head, channel, j // pb), bit offset (j % pb) * bits
-            k_row = ((b * n_groups_max + t // GROUP) * kv_heads + h) * HEAD_DIM
-            k_meta = k_row[:, None] + d[None, :]
+            # int64: offsets into a large page pool overflow int32
+            page = tl.load(table_ptr + b * max_pages + t // GROUP, mask=valid, other=0)
+            page = page.to(tl.int64)
             j = t % GROUP
+            # keys: byte (page, head, channel, j // pb), bit offset (j % pb) * bits
+            k_meta = ((page * kv_heads + h) * HEAD_DIM)[:, None] + d[None, :]
             k_byte = tl.load(kc_ptr + k_meta * (GROUP // PER_BYTE) + (j // PER_BYTE)[:, None],
                              mask=mask, other=0).to(tl.int32)
             k_q = unpack_codes(k_byte, ((j % PER_BYTE) * BITS)[:, None], BITS).to(tl.float32)
             k = (k_q * tl.load(ks_ptr + k_meta, mask=mask, other=0.0).to(tl.float32)
                  + tl.load(kz_ptr + k_meta, mask=mask, other=0.0).to(tl.float32))
-            # values: byte (token, head, channel // pb), bit offset (channel % pb) * bits
-            v_row = ((b * n_groups_max * GROUP + t) * kv_heads + h)[:, None]
+            # values: byte (page, token j, head, channel // pb), bit offset (channel % pb) * bits
+            v_row = ((page * GROUP + j) * kv_heads + h)[:, None]
             v_byte = tl.load(vc_ptr + v_row * (HEAD_DIM // PER_BYTE) + (d // PER_BYTE)[None, :],
                              mask=mask, other=0).to(tl.int32)
             v_q = unpack_codes(v_byte, ((d % PER_BYTE) * BITS)[None, :], BITS).to(tl.float32)
@@ -92,7 +96,7 @@ def _decode_attention_kernel(
 
 def decode_attention_triton(
     q: torch.Tensor,
-    packed: PackedKV | None,
+    paged: PagedKV | None,
     k_res: torch.Tensor,
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
@@ -106,25 +110,29 @@ def decode_attention_triton(
     if batch == 0:
         return out, lse
     group_size = q_heads // kv_heads
-    quant = packed if packed is not None else _empty_packed(q.device, batch, kv_heads, head_dim)
+    quant = paged if paged is not None else _empty_paged(q.device, batch, kv_heads, head_dim)
     grid = (batch, kv_heads)
     _decode_attention_kernel[grid](
         q.contiguous(), quant.k_codes.contiguous(), quant.k_scale.contiguous(),
         quant.k_zero.contiguous(), quant.v_codes.contiguous(), quant.v_scale.contiguous(),
-        quant.v_zero.contiguous(), quant.lengths.to(torch.int32).contiguous(),
+        quant.v_zero.contiguous(), quant.page_table.to(torch.int32).contiguous(),
+        quant.lengths.to(torch.int32).contiguous(),
         k_res.contiguous(), v_res.contiguous(), res_lengths.to(torch.int32).contiguous(),
-        out, lse, sm_scale, quant.k_codes.shape[1], k_res.shape[1], kv_heads, group_size,
+        out, lse, sm_scale, quant.page_table.shape[1], k_res.shape[1], kv_heads, group_size,
         HEAD_DIM=head_dim, GROUP=quant.group, V_GROUP=quant.v_group, BITS=quant.bits,
-        PER_BYTE=8 // quant.bits, HAS_QUANT=packed is not None,
+        PER_BYTE=8 // quant.bits, HAS_QUANT=paged is not None,
         BLOCK_H=triton.next_power_of_2(group_size), BLOCK_N=BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out, lse
 
 
-def _empty_packed(device: torch.device, batch: int, heads: int, dim: int) -> PackedKV:
-    """An empty packed part (8-bit, one-token groups) for residual-only calls."""
-    empty = torch.empty(batch, 0, heads, dim, 1, dtype=torch.uint8, device=device)
-    meta = torch.empty(batch, 0, heads, dim, dtype=torch.float16, device=device)
-    return PackedKV(empty, meta, meta, empty[..., 0], meta, meta,
-                    torch.zeros(batch, dtype=torch.int32, device=device), 8, 1, 1)
+def _empty_paged(device: torch.device, batch: int, heads: int, dim: int) -> PagedKV:
+    """An empty paged part (no pages; 8-bit, one-token groups) for residual-only calls."""
+    k_codes = torch.empty(0, heads, dim, 1, dtype=torch.uint8, device=device)
+    k_meta = torch.empty(0, heads, dim, dtype=torch.float16, device=device)
+    v_meta = k_meta[:, None]
+    return PagedKV(k_codes, k_meta, k_meta, k_codes.reshape(0, 1, heads, dim), v_meta, v_meta,
+                   page_table=torch.empty(batch, 0, dtype=torch.int32, device=device),
+                   lengths=torch.zeros(batch, dtype=torch.int32, device=device), bits=8, group=1,
+                   v_group=1)

@@ -5,6 +5,6 @@ over the full KV verifies them; only tokens equal to the full model's greedy cho
 emitted. See `worker` for a round's mechanics and `policy` for the adaptive draft length.
 """
 
-from vericache_sglang.spec.algorithm import ALGORITHM, configure, register
+from vericache_sglang.speculative.algorithm import ALGORITHM, configure, register
 
 __all__ = ["ALGORITHM", "configure", "register"]

@@ -1,4 +1,5 @@
-"""Speculative sampling (`vericache_sglang.spec.sampling`) on plain tensors (no server, no model).
+"""Speculative sampling (`vericache_sglang.speculative.sampling`) on plain tensors (no server,
+no model).
 
 * One round of rejection sampling emits exactly the full model's distribution: computed
   exactly (one and two draft positions), checked by a seeded Monte-Carlo run, and over whole
@@ -22,7 +23,7 @@ from scipy import stats
 from sglang.srt.layers import sampler as sglang_sampler
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
-from vericache_sglang.spec.sampling import (
+from vericache_sglang.speculative.sampling import (
     SamplingRows,
     chosen_tokens,
     draft_tokens,

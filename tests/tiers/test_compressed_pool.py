@@ -1,0 +1,262 @@
+"""The compressed pool on real SGLang pools, allocator and radix tree (no server, no model).
+
+Memory: what drafting holds (used pages, request-owned blocks, the round's buffers), measured
+from tensor storages, against the full KV of the same tokens. Sharing: requests over one
+cached prefix find its pages by their slots, so it is compressed and stored once; eviction
+frees pages with their slots. Reads: drafting over packed pages plus the exact tail equals
+drafting over each request's own dequantized KIVI block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+import vericache_kernels as kernels
+from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.tiers.compressed import CompressedTier
+from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
+
+Q_HEADS, KV_HEADS, DIM = 9, 3, 64
+SCALE = DIM**-0.5
+
+
+class Setup:
+    """Real SGLang pools, allocator and radix tree of `layers` layers, with a compressed pool
+    following the allocator, and a drafting backend over them."""
+
+    def __init__(self, spec: str, *, slots: int, layers: int = 1, requests: int = 8,
+                 context: int = 4096, dtype: torch.dtype = torch.float32) -> None:
+        self.gen = torch.Generator().manual_seed(0)
+        self.kv = MHATokenToKVPool(size=slots, page_size=1, dtype=dtype, head_num=KV_HEADS,
+                                   head_dim=DIM, layer_num=layers, device="cpu",
+                                   enable_memory_saver=False)
+        for layer in range(layers):  # every slot holds some real-valued K/V
+            self.kv.k_buffer[layer].copy_(torch.randn(self.kv.k_buffer[layer].shape,
+                                                      generator=self.gen))
+            self.kv.v_buffer[layer].copy_(torch.randn(self.kv.v_buffer[layer].shape,
+                                                      generator=self.gen))
+        self.allocator = TokenToKVPoolAllocator(size=slots, dtype=dtype, device="cpu",
+                                                kvcache=self.kv, need_sort=False)
+        self.req_to_token = ReqToTokenPool(size=requests + 2, max_context_len=context + 64,
+                                           device="cpu", enable_memory_saver=False)
+        self.tree = RadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.req_to_token,
+            token_to_kv_pool_allocator=self.allocator, page_size=1))
+        self.compressor = parse_compressor_spec(spec)
+        self.pool = CompressedPagePool(self.compressor, self.kv,
+                                       num_pages=pool_pages(self.compressor, slots))
+        self.pool.follow(self.allocator)
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
+                                 token_to_kv_pool=self.kv)
+        self.backend = DraftAttnBackend(runner, CompressedTier(self.compressor), self.pool)
+        self.dense_backend = DraftAttnBackend(runner, CompressedTier(self.compressor))
+        self.layers = [RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=i)
+                       for i in range(layers)]
+
+    def request(self, row: int, tokens: list[int]) -> torch.Tensor:
+        """Place a request: reuse the tree's longest cached prefix of `tokens`, allocate slots
+        for the rest. Returns its slots in token order."""
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        cached = self.tree.path_device_indices(match.last_device_node)
+        own = self.allocator.alloc(len(tokens) - len(cached))
+        assert own is not None
+        slots = torch.cat([cached.to(torch.int64), own])
+        self.req_to_token.req_to_token[row, : len(slots)] = slots.to(torch.int32)
+        return slots
+
+    def cache(self, tokens: list[int], slots: torch.Tensor) -> None:
+        """Insert a finished request into the tree (freeing the duplicate prefix slots)."""
+        prefix = self.tree.insert(InsertParams(key=RadixKey(array("q", tokens)),
+                                               value=slots)).prefix_len
+        self.allocator.free(slots[:prefix])
+
+    def draft_step(self, backend: DraftAttnBackend, rows: list[int], committed: list[int],
+                   steps: int = 2) -> list[torch.Tensor]:
+        """Run `steps` draft steps over every layer; the output of each layer of the last."""
+        backend.begin_round(rows, committed, steps)
+        gen = torch.Generator().manual_seed(1)
+        outs = []
+        for step in range(steps):
+            backend.set_step(step)
+            batch = ForwardBatch(
+                forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                input_ids=torch.zeros(len(rows), dtype=torch.int64),
+                req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(committed) + step + 1,
+                out_cache_loc=torch.zeros(len(rows), dtype=torch.int64),
+                seq_lens_sum=sum(committed) + len(rows) * (step + 1),
+            )
+            outs = [
+                backend.forward_decode(
+                    torch.randn(len(rows), Q_HEADS * DIM, generator=gen),
+                    torch.randn(len(rows), KV_HEADS * DIM, generator=gen),
+                    torch.randn(len(rows), KV_HEADS * DIM, generator=gen), layer, batch)
+                for layer in self.layers
+            ]
+        return outs
+
+
+def _storage_sum(tensors) -> int:
+    """Bytes of distinct storages, counted here independently of the product's helper."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("bits", "bound"), [(4, 0.40), (2, 0.25)])
+def test_drafting_holds_a_fraction_of_the_full_kv(dtype, bits, bound):
+    """8 requests x 4,096 tokens: used pages + request-owned blocks + round buffers, during
+    and after a round, against the full KV of those tokens (bf16 and float32)."""
+    requests, context = 8, 4096
+    setup = Setup(f"kivi:bits={bits}", slots=requests * context + 1, dtype=dtype)
+    rows = list(range(1, requests + 1))
+    gen = torch.Generator().manual_seed(2)
+    for row in rows:
+        setup.request(row, torch.randint(0, 49152, (context,), generator=gen).tolist())
+    full = requests * context * 2 * KV_HEADS * DIM * dtype.itemsize  # one layer
+
+    setup.backend.begin_round(rows, [context] * requests, 8)
+    setup.backend.set_step(0)
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=requests,
+                         input_ids=torch.zeros(requests, dtype=torch.int64),
+                         req_pool_indices=torch.tensor(rows),
+                         seq_lens=torch.full((requests,), context + 1),
+                         out_cache_loc=torch.zeros(requests, dtype=torch.int64),
+                         seq_lens_sum=requests * (context + 1))
+    setup.backend.forward_decode(torch.randn(requests, Q_HEADS * DIM, dtype=dtype),
+                                 torch.randn(requests, KV_HEADS * DIM, dtype=dtype),
+                                 torch.randn(requests, KV_HEADS * DIM, dtype=dtype),
+                                 setup.layers[0], batch)
+    pool = setup.pool
+    groups = (context - 128) // 32
+    assert pool.used_pages == requests * groups  # nothing shared: random prompts
+    per_page = _storage_sum(pool.tensors()) / pool.num_pages
+    during = (per_page * pool.used_pages + setup.backend.tier.nbytes()
+              + setup.backend.round_buffer_bytes())
+    assert setup.backend.round_buffer_bytes() > 0
+    assert during / full <= bound, during / full
+    assert pool.held_bytes() == int(per_page * pool.used_pages)
+    setup.backend.end_round()
+    after = pool.held_bytes() + setup.backend.tier.nbytes() + setup.backend.round_buffer_bytes()
+    assert setup.backend.round_buffer_bytes() == 0
+    assert after / full <= bound, after / full
+
+
+def test_requests_over_one_prefix_share_its_pages():
+    """8 concurrent requests over one 2,000-token prefix compress and hold its pages once; a
+    later request that hits the cache compresses nothing of it; eviction frees the pages."""
+    setup = Setup("kivi:bits=4", slots=8192, requests=10, context=2200)
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 49152, (2000,), generator=gen).tolist()
+    first = prefix + [1] * 20
+    setup.cache(first, setup.request(9, first))  # the prefix is in the tree
+
+    rows = list(range(1, 9))
+    for row in rows:
+        setup.request(row, prefix + torch.randint(0, 49152, (100,), generator=gen).tolist())
+    setup.draft_step(setup.backend, rows, [2100] * 8)
+    shared_groups = (2100 - 128) // 32  # 61 groups, all inside the shared prefix
+    assert setup.pool.compressed_pages == shared_groups
+    assert setup.pool.used_pages == shared_groups
+
+    setup.request(9, prefix + [7] * 100)  # a later request hitting the cache
+    setup.draft_step(setup.backend, [9], [2100])
+    assert setup.pool.compressed_pages == shared_groups
+
+    # The requests end (their own slots freed), then the tree evicts the prefix.
+    for row in [*rows, 9]:
+        setup.allocator.free(setup.req_to_token.req_to_token[row, 2000:2100].to(torch.int64))
+    setup.tree.evict(EvictParams(num_tokens=setup.tree.evictable_size()))
+    assert setup.tree.total_size() == 0
+    assert setup.pool.used_pages == 0
+    assert setup.pool.held_bytes() == 0
+
+
+@pytest.mark.parametrize("split", [1024, 1000])
+def test_prefix_split_at_and_inside_a_page(split):
+    """A request sharing a cached prefix up to a page boundary reuses every page before it;
+    sharing up to the middle of a page, it compresses that group itself. Either way its drafts
+    read exactly what its own dequantized KIVI block would give."""
+    setup = Setup("kivi:bits=4", slots=8192, requests=4, context=2200)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 49152, (2048,), generator=gen).tolist()
+    setup.cache(tokens, setup.request(3, tokens))
+    setup.draft_step(setup.backend, [3], [2048])  # compresses the cached request's groups
+    before = setup.pool.compressed_pages
+    assert before == (2048 - 128) // 32
+
+    other = tokens[:split] + torch.randint(0, 49152, (2048 - split,), generator=gen).tolist()
+    setup.request(1, other)
+    outs = setup.draft_step(setup.backend, [1], [2048])
+    reused = split // 32
+    assert setup.pool.compressed_pages == before + (2048 - 128) // 32 - reused
+    expected = setup.draft_step(setup.dense_backend, [1], [2048])
+    for out, ref in zip(outs, expected, strict=True):
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=4", "kivi:bits=2,group=64,residual=32",
+                                  "kivi_mixed:recent=0,early_layers=1"])
+def test_pool_reads_equal_each_requests_own_block(spec):
+    """Batched drafting over pages + exact tail equals drafting over each request's
+    dequantized block (to 1e-5 in float32), for requests of different lengths, several
+    layers (per-layer bits) and several draft steps."""
+    setup = Setup(spec, slots=6000, layers=2, requests=4, context=2000)
+    gen = torch.Generator().manual_seed(5)
+    committed = [1500, 37, 900, 1999]
+    for row, n in zip(range(1, 5), committed, strict=True):
+        setup.request(row, torch.randint(0, 49152, (n,), generator=gen).tolist())
+    outs = setup.draft_step(setup.backend, [1, 2, 3, 4], committed, steps=3)
+    expected = setup.draft_step(setup.dense_backend, [1, 2, 3, 4], committed, steps=3)
+    for out, ref in zip(outs, expected, strict=True):
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_full_pool_drafts_the_rest_from_the_full_kv():
+    """When no page is free, the groups that do not fit are read exactly: the draft attends
+    to the pages that fit plus exact K/V for everything after them."""
+    setup = Setup("kivi:bits=4", slots=3000, requests=2, context=2000)
+    small = CompressedPagePool(setup.compressor, setup.kv, num_pages=10)
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=setup.req_to_token,
+                             token_to_kv_pool=setup.kv)
+    backend = DraftAttnBackend(runner, CompressedTier(setup.compressor), small)
+    gen = torch.Generator().manual_seed(6)
+    slots = setup.request(1, torch.randint(0, 49152, (1500,), generator=gen).tolist())
+    backend.begin_round([1], [1500], 1)
+    assert small.used_pages == 10
+    q, k, v = (torch.randn(1, h * DIM, generator=gen) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1,
+                         input_ids=torch.zeros(1, dtype=torch.int64),
+                         req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([1501]),
+                         out_cache_loc=torch.zeros(1, dtype=torch.int64), seq_lens_sum=1501)
+    out = backend.forward_decode(q, k, v, setup.layers[0], batch).view(Q_HEADS, DIM)
+
+    paged = slots[:320]
+    keys = torch.cat([
+        kernels.dequantize_keys(*kernels.quantize_keys(setup.kv.k_buffer[0][paged], 32, 4), 4,
+                                torch.float32),
+        setup.kv.k_buffer[0][slots[320:]], k.view(1, KV_HEADS, DIM)])
+    values = torch.cat([
+        kernels.dequantize_values(*kernels.quantize_values(setup.kv.v_buffer[0][paged], 32, 4),
+                                  4, torch.float32),
+        setup.kv.v_buffer[0][slots[320:]], v.view(1, KV_HEADS, DIM)])
+    group = Q_HEADS // KV_HEADS
+    logits = torch.einsum("hd,thd->ht", q.view(Q_HEADS, DIM),
+                          keys.repeat_interleave(group, 1)) * SCALE
+    expected = torch.einsum("ht,thd->hd", logits.softmax(-1), values.repeat_interleave(group, 1))
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)

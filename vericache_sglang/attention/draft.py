@@ -1,0 +1,160 @@
+"""Drafting attention: the target model decodes over the compressed KV plus an exact tail.
+
+`DraftAttnBackend` runs the target model one token at a time during a round. Each request's
+committed prefix is read in its compressed form, never densely kept:
+
+- with a prefix-stable compressor (KIVI), from the shared `CompressedPagePool`: the packed
+  pages of its whole groups older than the recent window, through a page table, and the rest
+  of its committed tokens (the recent window and the partial last group) exactly from the
+  full KV pool;
+- otherwise (token droppers, compositions), from the request's own `CompressedTier` block.
+
+The tokens drafted in this round are attended exactly from a scratch tail this backend holds
+for the round (the only buffer that lives across steps: bounded by batch x draft length, and
+counted in `round_buffer_bytes`). The parts are combined by their log-sum-exp
+(`vericache_kernels.merge_attention`). Nothing is written to the KV pool while drafting, so a
+rejected draft leaves no trace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import vericache_kernels as kernels
+from vericache_sglang.attention.compressed_backend import CompressedTierAttnBackend
+from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.tiers.compressed import CompressedTier
+from vericache_sglang.tiers.compressed_pool import CompressedPagePool
+
+
+class DraftAttnBackend(CompressedTierAttnBackend):
+    """Decode over each request's compressed committed prefix plus its exact draft tail.
+
+    Before a round the worker calls `begin_round(req_slots, committed_lens, max_steps)`;
+    before draft step j it calls `set_step(j)`, and `end_round()` after the last step. Extend
+    (prefill) is inherited unchanged: full KV, plus the prompt observation scores
+    token-selecting compressors need.
+    """
+
+    def __init__(self, model_runner, tier: CompressedTier,
+                 pool: CompressedPagePool | None = None) -> None:
+        super().__init__(model_runner, tier)
+        self.pool = pool
+        self._committed: list[int] = []
+        self._step = 0
+        self._max_steps = 0
+        self._tail_k: dict[int, torch.Tensor] = {}
+        self._tail_v: dict[int, torch.Tensor] = {}
+        # Pool reads of the round: page table [B, max pages], paged tokens [B], and the full-pool
+        # rows of each request's exact part [B, max exact] with its length [B].
+        self._page_table: torch.Tensor | None = None
+        self._paged_lens: torch.Tensor | None = None
+        self._exact_rows: torch.Tensor | None = None
+        self._exact_lens: torch.Tensor | None = None
+
+    def begin_round(self, req_slots: list[int], committed_lens: list[int],
+                    max_steps: int) -> None:
+        """Start drafting for a batch whose requests (at these request-pool slots) have these
+        committed KV lengths. With a page pool, their whole old groups are looked up there (and
+        compressed, the first time any request needs them)."""
+        self.end_round()
+        self._committed = list(committed_lens)
+        self._max_steps = max_steps
+        self._step = 0
+        if self.pool is not None:
+            self._plan_pool_reads(req_slots)
+
+    def set_step(self, step: int) -> None:
+        """The next decode forward drafts from the token at committed length + `step`."""
+        if not 0 <= step < self._max_steps:
+            raise ValueError(f"draft step {step} outside [0, {self._max_steps})")
+        self._step = step
+
+    def end_round(self) -> None:
+        """Drop the round's buffers: the drafts' K/V and the pool read plan."""
+        self._tail_k.clear()
+        self._tail_v.clear()
+        self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
+
+    def round_buffer_bytes(self) -> int:
+        """Bytes of the buffers that live for the current round (storages, measured)."""
+        return storage_bytes([*self._tail_k.values(), *self._tail_v.values(), self._page_table,
+                              self._paged_lens, self._exact_rows, self._exact_lens])
+
+    def _plan_pool_reads(self, req_slots: list[int]) -> None:
+        req_to_token = self.req_to_token_pool.req_to_token
+        device = req_to_token.device
+        page_lists, exact = [], []
+        for slot, committed in zip(req_slots, self._committed, strict=True):
+            rows = req_to_token[slot, :committed].to(torch.int64)
+            pages = self.pool.pages(rows[: self.pool.compressible_len(committed)])
+            page_lists.append(pages)
+            exact.append(rows[len(pages) * self.pool.group :])
+        batch = len(req_slots)
+        self._page_table = torch.zeros(batch, max(map(len, page_lists), default=0) or 1,
+                                       dtype=torch.int32, device=device)
+        for i, pages in enumerate(page_lists):
+            self._page_table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self._paged_lens = torch.tensor([len(p) * self.pool.group for p in page_lists],
+                                        dtype=torch.int32, device=device)
+        self._exact_lens = torch.tensor([len(r) for r in exact], dtype=torch.int32,
+                                        device=device)
+        self._exact_rows = torch.zeros(batch, max(map(len, exact), default=0) or 1,
+                                       dtype=torch.int64, device=device)
+        for i, r in enumerate(exact):
+            self._exact_rows[i, : len(r)] = r
+
+    def _tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record this step's K/V [bs, H, D] in the layer's scratch tail and return the tail."""
+        lid = layer.layer_id
+        if lid not in self._tail_k:
+            shape = (k.shape[0], self._max_steps, *k.shape[1:])
+            self._tail_k[lid] = k.new_empty(shape)
+            self._tail_v[lid] = v.new_empty(shape)
+        self._tail_k[lid][:, self._step] = k
+        self._tail_v[lid][:, self._step] = v
+        return self._tail_k[lid][:, : self._step + 1], self._tail_v[lid][:, : self._step + 1]
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        del save_kv_cache  # drafting never writes the full KV pool
+        heads, head_dim = layer.tp_k_head_num, layer.qk_head_dim
+        q = q.reshape(-1, layer.tp_q_head_num, head_dim)
+        if q.shape[0] != len(self._committed):
+            raise RuntimeError("draft forward batch does not match begin_round()")
+        tail_k, tail_v = self._tail(
+            layer, k.reshape(-1, heads, head_dim), v.reshape(-1, heads, layer.v_head_dim)
+        )
+        steps = torch.full((q.shape[0],), self._step + 1, dtype=torch.int32, device=q.device)
+        tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling)
+        if self.pool is not None:
+            prefix = self._pool_attention(q, layer)
+        else:
+            prefix = self._tier_attention(q, layer, forward_batch.req_pool_indices.tolist())
+        out, _ = kernels.merge_attention([prefix, tail])
+        return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _pool_attention(self, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the pages of each request's old groups plus its exact part."""
+        lid = layer.layer_id
+        k_exact = self.token_to_kv_pool.get_key_buffer(lid)[self._exact_rows]
+        v_exact = self.token_to_kv_pool.get_value_buffer(lid)[self._exact_rows]
+        paged = self.pool.layer(lid, self._page_table, self._paged_lens)
+        return kernels.decode_attention(q, paged, k_exact, v_exact, self._exact_lens,
+                                        layer.scaling)
+
+    def _tier_attention(self, q: torch.Tensor, layer,
+                        slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over each request's own compressed block of its committed prefix."""
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        outs, lses = [], []
+        for i, slot in enumerate(slots):
+            block = self.tier.block(
+                layer.layer_id, slot, req_to_token[slot, : self._committed[i]], k_buffer,
+                v_buffer, query=q[i], sm_scale=layer.scaling,
+            )
+            out, lse = block.attend_lse(q[i], layer.scaling)
+            outs.append(out)
+            lses.append(lse)
+        return torch.stack(outs), torch.stack(lses)

@@ -1,0 +1,211 @@
+"""The compressed pool: quantized KV pages beside SGLang's KV pool, shared along the radix tree.
+
+A page is one key group (`group` consecutive tokens of a request, starting at a multiple of
+`group`) of every layer: packed key codes with a per-channel scale and zero point, packed value
+codes with per-token scales (the `vericache_kernels.layout` layout, one group per page). A page
+is keyed by the full-pool slots its tokens occupy. SGLang's radix tree hands a request that
+reuses a cached prefix exactly the slots that prefix was computed into, so the request finds
+the prefix's pages by its own slots: a prefix is compressed once and stored once, however many
+requests share it, and a request that arrives after the first one finished compresses nothing
+of it. A page lives as long as its slots: when SGLang's allocator frees a slot (the request
+ended without caching it, or the tree evicted it), every page holding that slot is freed with
+it, so eviction frees both forms together and the tree's locks pin both.
+
+Only compressors whose blocks are a pure function of the group's tokens can share pages
+(`Compressor.prefix_stable`, e.g. KIVI). The partial last group and the full-precision recent
+window are the request's own: drafting reads them exactly from the full KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import torch
+
+import vericache_kernels as kernels
+from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.compress.quant import KiviQuantizer
+
+logger = logging.getLogger(__name__)
+
+
+class CompressedPagePool:
+    """Preallocated compressed pages of every layer, keyed by the full-pool slots they cover."""
+
+    def __init__(self, compressor: KiviQuantizer, full_pool, *, num_pages: int) -> None:
+        """`full_pool`: SGLang's KV pool (`MHATokenToKVPool`), whose slots key the pages and
+        whose K/V they are compressed from."""
+        if not compressor.prefix_stable:
+            raise ValueError(f"{compressor.spec()} is not prefix-stable: its blocks depend on "
+                             "more than a group's own tokens, so they cannot be shared pages")
+        plan = compressor.plan(0)
+        num_layers, kv_heads = full_pool.layer_num, full_pool.head_num
+        head_dim, device = full_pool.head_dim, full_pool.device
+        self.full_pool = full_pool
+        self.compressor = compressor
+        self.group = plan.group
+        self.residual = plan.residual
+        self.v_group = math.gcd(self.group, head_dim)
+        self.num_pages = num_pages
+        self.bits = [compressor.plan(layer).old_bits for layer in range(num_layers)]
+        fp16 = {"dtype": torch.float16, "device": device}
+        self.k_codes, self.k_scale, self.k_zero = [], [], []
+        self.v_codes, self.v_scale, self.v_zero = [], [], []
+        for bits in self.bits:
+            per_byte = 8 // bits
+            self.k_codes.append(torch.zeros(num_pages, kv_heads, head_dim, self.group // per_byte,
+                                            dtype=torch.uint8, device=device))
+            self.k_scale.append(torch.zeros(num_pages, kv_heads, head_dim, **fp16))
+            self.k_zero.append(torch.zeros(num_pages, kv_heads, head_dim, **fp16))
+            self.v_codes.append(torch.zeros(num_pages, self.group, kv_heads, head_dim // per_byte,
+                                            dtype=torch.uint8, device=device))
+            meta = (num_pages, self.group, kv_heads, head_dim // self.v_group)
+            self.v_scale.append(torch.zeros(meta, **fp16))
+            self.v_zero.append(torch.zeros(meta, **fp16))
+        # Which slots each page covers (-1: free), and the page of each slot tuple.
+        self.page_slots = torch.full((num_pages, self.group), -1, dtype=torch.int64, device=device)
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.compressed_pages = 0
+        """Pages quantized since start: a shared prefix counts once."""
+        self._warned_full = False
+
+    # -- what drafting reads --------------------------------------------------------------------
+    def compressible_len(self, committed: int) -> int:
+        """Tokens of a request with `committed` verified tokens that belong in pages: whole
+        groups older than the full-precision recent window (KIVI's residual)."""
+        return max(committed - self.residual, 0) // self.group * self.group
+
+    def pages(self, slots: torch.Tensor) -> list[int]:
+        """Page ids of the whole groups of a request whose tokens sit at full-pool `slots` (in
+        token order, a multiple of `group` long), compressing from the full pool the groups no
+        page holds yet. When the pool is full, the ids of the leading groups that fit: the
+        rest is read exactly (more accurate drafts, never wrong output)."""
+        groups = slots.reshape(-1, self.group)
+        keys = [row.numpy().tobytes() for row in groups.cpu()]
+        pages = [self._page_of.get(key, -1) for key in keys]
+        missing = [i for i, page in enumerate(pages) if page < 0]
+        if len(missing) > len(self._free):
+            self._warn_full(len(missing))
+            pages = pages[: missing[len(self._free)]]
+            missing = missing[: len(self._free)]
+        if missing:
+            new = [self._free.pop() for _ in missing]
+            for i, page in zip(missing, new, strict=True):
+                pages[i] = page
+                self._page_of[keys[i]] = page
+                self._key_of[page] = keys[i]
+            self._compress(torch.tensor(new, device=slots.device), groups[missing])
+        return pages
+
+    def layer(self, layer_id: int, page_table: torch.Tensor,
+              lengths: torch.Tensor) -> kernels.PagedKV:
+        """One layer's pages as the decode-attention kernels read them."""
+        return kernels.PagedKV(
+            self.k_codes[layer_id], self.k_scale[layer_id], self.k_zero[layer_id],
+            self.v_codes[layer_id], self.v_scale[layer_id], self.v_zero[layer_id],
+            page_table=page_table, lengths=lengths, bits=self.bits[layer_id], group=self.group,
+            v_group=self.v_group,
+        )
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """The allocator freed these full-pool slots: free every page that holds one of them."""
+        if not self._key_of or slots.numel() == 0:
+            return
+        hit = torch.isin(self.page_slots, slots.to(self.page_slots.device)).any(dim=1)
+        for page in hit.nonzero().flatten().tolist():
+            del self._page_of[self._key_of.pop(page)]
+            self._free.append(page)
+        self.page_slots[hit] = -1
+
+    def follow(self, allocator) -> None:
+        """Free pages with the full-pool slots they were made from: wrap the SGLang allocator
+        instance's `free` (which `free_group_end` and the page-id forms call too) and `clear`."""
+        free, clear = allocator.free, allocator.clear
+
+        def free_both(free_index: torch.Tensor) -> None:
+            if allocator.free_group is None:  # a group's frees come back here at its end
+                self.free_slots(free_index)
+            free(free_index)
+
+        def clear_both() -> None:
+            self.clear()
+            clear()
+
+        allocator.free, allocator.clear = free_both, clear_both
+
+    def clear(self) -> None:
+        """Free every page (the allocator was reset)."""
+        self._page_of.clear()
+        self._key_of.clear()
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self.page_slots.fill_(-1)
+
+    # -- accounting -----------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool allocated."""
+        return [*self.k_codes, *self.k_scale, *self.k_zero, *self.v_codes, *self.v_scale,
+                *self.v_zero, self.page_slots]
+
+    @property
+    def used_pages(self) -> int:
+        return len(self._key_of)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool's storages (all pages, used or not)."""
+        return storage_bytes(self.tensors())
+
+    def held_bytes(self) -> int:
+        """Bytes of the pages in use: the allocated storage's share per page, times pages."""
+        return self.allocated_bytes() * self.used_pages // self.num_pages
+
+    # -- internals ------------------------------------------------------------------------------
+    def _compress(self, pages: torch.Tensor, groups: torch.Tensor) -> None:
+        """Quantize the K/V at `groups` [n, group] of the full pool into `pages` [n]."""
+        rows = groups.flatten()
+        n = len(pages)
+        for layer, bits in enumerate(self.bits):
+            k_codes, k_scale, k_zero = kernels.quantize_keys(
+                self.full_pool.get_key_buffer(layer)[rows], self.group, bits)
+            v_codes, v_scale, v_zero = kernels.quantize_values(
+                self.full_pool.get_value_buffer(layer)[rows], self.v_group, bits)
+            self.k_codes[layer][pages] = k_codes
+            self.k_scale[layer][pages] = k_scale
+            self.k_zero[layer][pages] = k_zero
+            self.v_codes[layer][pages] = v_codes.reshape(n, self.group, *v_codes.shape[1:])
+            self.v_scale[layer][pages] = v_scale.reshape(n, self.group, *v_scale.shape[1:])
+            self.v_zero[layer][pages] = v_zero.reshape(n, self.group, *v_zero.shape[1:])
+        self.page_slots[pages] = groups.to(self.page_slots.device)
+        self.compressed_pages += n
+
+    def _warn_full(self, wanted: int) -> None:
+        if not self._warned_full:
+            logger.warning("VeriCache compressed pool full (%d pages, %d more wanted): the "
+                           "rest of those prefixes is drafted from the full KV", self.num_pages,
+                           wanted - len(self._free))
+            self._warned_full = True
+
+
+def pool_bytes_per_token(compressor: KiviQuantizer, *, num_layers: int, kv_heads: int,
+                         head_dim: int) -> float:
+    """Device bytes the pool spends per context token, all layers: measured from the storages
+    of a one-page pool of that geometry (on CPU), divided by the tokens a page holds."""
+    geometry = SimpleNamespace(layer_num=num_layers, head_num=kv_heads, head_dim=head_dim,
+                               device="cpu")
+    pool = CompressedPagePool(compressor, geometry, num_pages=1)
+    return pool.allocated_bytes() / pool.group
+
+
+# Pages beyond one per group of slots, as a share: a request that shares a prefix only up to
+# the middle of a page needs a page of its own for that group while the prefix's stays live.
+SPLIT_PAGE_SHARE = 1 / 8
+
+
+def pool_pages(compressor: KiviQuantizer, max_total_tokens: int) -> int:
+    """Pages for a full KV pool of `max_total_tokens` slots (see `SPLIT_PAGE_SHARE`)."""
+    groups = -(-max_total_tokens // compressor.plan(0).group)
+    return math.ceil(groups * (1 + SPLIT_PAGE_SHARE))
