@@ -18,8 +18,11 @@ import torch
 from .layout import PagedKV, dequantize_keys, dequantize_values
 from .quant_ref import dequantize_unpack_ref
 
-CHUNK_TOKENS = 256
-"""Tokens per request dequantized (or, for the residual, converted to float32) at once."""
+CHUNK_TOKENS = 1024
+"""Tokens per request dequantized (or, for the residual, converted to float32) at once: scratch
+of 8 x head_dim bytes per token and KV head (K and V in float32), and few enough chunks that a
+CPU draft step's attention costs about a plain decode step's (4 requests x 2,048 tokens, 1
+thread: 18.6 ms against SGLang's torch_native 15.9 ms; 256-token chunks took 27.9 ms)."""
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """(rows [b] of the batch, keys [b, n, H, D], values [b, n, H, D] float32, valid [b, n])."""

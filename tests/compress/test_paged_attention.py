@@ -22,12 +22,18 @@ from .helpers import attention
 HEADS, Q_HEADS, DIM, GROUP = 3, 9, 64, 32
 V_GROUP = math.gcd(GROUP, DIM)
 PAGES = [10, 0, 3, 0, 1]
-"""Quantized pages per request; 10 pages span two reference chunks (CHUNK_TOKENS = 256)."""
+"""Quantized pages per request; 10 pages span two reference chunks (at CHUNK_TOKENS = 256)."""
 RESIDUAL = [5, 300, 0, 0, 31]
 """Residual tokens per request; 300 span two chunks; request 3 has no tokens at all."""
 UNUSED = 4
 """Pool pages no request owns."""
 SCALE = DIM**-0.5
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of 256 tokens, so these small cases walk several chunks per request."""
+    monkeypatch.setattr("vericache_kernels.attention_ref.CHUNK_TOKENS", 256)
 
 
 @dataclass
