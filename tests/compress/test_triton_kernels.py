@@ -114,3 +114,31 @@ def test_paged_decode_attention_equals_reference(interpreted, bits):
     case = paged_case(bits)
     args = (case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
     assert_close(attn.decode_attention_triton(*args), decode_attention_ref(*args))
+
+
+@interpreter_only
+def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpreted,
+                                                                        monkeypatch) -> None:
+    """The drafting backend over the shared compressed pool (pages, exact window, draft tail)
+    gives the same attention whether its reads run in the Triton kernel or the reference (which
+    tests/tiers holds equal to each request's dequantized KIVI block)."""
+    import vericache_kernels
+    from tests.tiers.test_compressed_pool import Setup
+
+    _, attention_triton = interpreted
+    setup = Setup("kivi:bits=4", slots=2600, requests=3, context=1200)
+    gen = torch.Generator().manual_seed(7)
+    committed = [1000, 150, 700]
+    for row, n in zip(range(1, 4), committed, strict=True):
+        setup.request(row, torch.randint(0, 49152, (n,), generator=gen).tolist())
+    expected = setup.draft_step(setup.backend, [1, 2, 3], committed)
+
+    def triton_decode(q, packed, k_res, v_res, res_lengths, sm_scale):
+        paged = packed.as_paged() if isinstance(packed, vericache_kernels.PackedKV) else packed
+        return attention_triton.decode_attention_triton(q, paged, k_res, v_res, res_lengths,
+                                                        sm_scale)
+
+    monkeypatch.setattr(vericache_kernels, "decode_attention", triton_decode)
+    outs = setup.draft_step(setup.backend, [1, 2, 3], committed)
+    for out, ref in zip(outs, expected, strict=True):
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
