@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import vericache_kernels as kernels
+from bench.docs_section import replace_section
 from bench.hf_eval import (
     LayerKV,
     StepRecord,
@@ -61,7 +62,7 @@ DEFAULT_SPECS = [
     "snapkv:ratio=0.5+kivi:bits=4",
     "snapkv:ratio=0.2+kivi:bits=4",
 ]
-BEGIN, END = "<!-- compress_quality:begin -->", "<!-- compress_quality:end -->"
+SECTION = "compress_quality"
 
 
 @dataclass
@@ -152,13 +153,7 @@ def markdown(rows: list[Row], new_tokens: int) -> str:
 
 
 def write_docs(path: Path, command: str, table: str, notes: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    body = f"\n```\n{command}\n```\n\n{notes}\n\n{table}\n"
-    path.write_text(f"{head}{BEGIN}{body}{END}{tail}")
+    replace_section(path, SECTION, f"\n```\n{command}\n```\n\n{notes}\n\n{table}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from transformers import AutoConfig
 
+from bench.docs_section import replace_section
 from bench.hf_eval import LayerKV, load_model, prefill
 from vericache_sglang.attention.draft import DraftAttnBackend
 from vericache_sglang.compress import Compressor, parse_compressor_spec
@@ -66,7 +67,7 @@ TIMING_SPECS = ["kivi:bits=4", "snapkv:ratio=0.25"]
 DEFAULT_FILES = ["argparse.py", "difflib.py", "GPL-3", "typing.py", "inspect.py",
                  "subprocess.py", "tarfile.py", "LGPL-2.1"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-BEGIN, END = "<!-- memory:begin -->", "<!-- memory:end -->"
+SECTION = "memory"
 
 
 def log(message: str) -> None:
@@ -321,12 +322,7 @@ def timing_table(rows: list[TimingRow]) -> str:
 
 # -- docs -----------------------------------------------------------------------------------------
 def write_docs(path: Path, body: str) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    replace_section(path, SECTION, f"\n{body}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import requests
 
+from bench.docs_section import markers, replace_section
 from vericache_sglang.prompts import file_prompt
 from vericache_sglang.server_process import ServerProcess
 
@@ -50,7 +51,7 @@ DEFAULT_CONFIGS = ["kivi:bits=4@8", "kivi:bits=4@16", "kivi:bits=4@32", "kivi:bi
                    "snapkv:ratio=0.25@32"]
 QUICK_PROMPTS = ["textwrap.py:2048", "argparse.py:3072"]
 QUICK_CONFIGS = ["kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32"]
-BEGIN, END = "<!-- spec_decode:begin -->", "<!-- spec_decode:end -->"
+SECTION = "spec_decode"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -238,16 +239,12 @@ def markdown(plain: Row, rows: list[Row], token_bytes: int) -> str:
 
 
 def write_docs(path: Path, command: str, body: str) -> None:
-    text = path.read_text() if path.exists() else (
-        "# Drafting and verification on long contexts\n\n"
-        f"Written by `bench/spec_decode.py` (see its docstring for the columns).\n\n"
-        f"{BEGIN}\n{END}\n"
-    )
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} section")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n```\n{command}\n```\n\n{body}\n{END}{tail}")
+    if not path.exists():
+        begin, end = markers(SECTION)
+        path.write_text("# Drafting and verification on long contexts\n\n"
+                        "Written by `bench/spec_decode.py` (see its docstring for the columns)."
+                        f"\n\n{begin}\n{end}\n")
+    replace_section(path, SECTION, f"\n```\n{command}\n```\n\n{body}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,17 +54,27 @@ class VeriCacheMetrics:
         self.plain_decode_steps = counter(
             "plain_decode_steps", "Per-request decode steps served without drafting "
             "(requests with returned logprobs, penalties, logit bias, ...).")
+        self.compressed_pages = counter(
+            "compressed_pages", "Pages of the compressed pool quantized (one per key group of "
+            "every layer): a prefix shared along the radix tree counts once.")
+        self.compressed_pool_pages = Gauge(
+            "vericache:compressed_pool_pages", "Pages of the compressed pool in use.",
+            labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
         self.compressed_tier_bytes = Gauge(
             "vericache:compressed_tier_bytes", "Device bytes the compressed KV holds, measured "
             "from tensor storages: the compressed pool's pages in use (including those of "
             "prefixes the radix cache keeps), request-owned blocks and drafting buffers.",
             labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
 
-    def record(self, counts: RoundCounts, held_bytes: int) -> None:
-        """Add one scheduler step's counts and set the compressed KV's current size."""
+    def record(self, counts: RoundCounts, held_bytes: int, pages_used: int,
+               pages_compressed: int) -> None:
+        """Add one scheduler step's counts and pages compressed; set the compressed KV's current
+        size and pool pages in use."""
         self.verify_rounds.inc(counts.verify_rounds)
         self.drafted_tokens.inc(counts.drafted_tokens)
         self.accepted_drafts.inc(counts.accepted_drafts)
         self.emitted_tokens.inc(counts.emitted_tokens)
         self.plain_decode_steps.inc(counts.plain_decode_steps)
+        self.compressed_pages.inc(pages_compressed)
+        self.compressed_pool_pages.set(pages_used)
         self.compressed_tier_bytes.set(held_bytes)

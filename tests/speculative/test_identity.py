@@ -43,6 +43,41 @@ def test_eight_concurrent_requests_sharing_a_long_prefix(vericache_server, plain
     assert any(out["meta_info"]["cached_tokens"] >= 1900 for out in got)
 
 
+def test_requests_over_a_cached_prefix_compress_it_once(vericache_server, plain, tokenizer):
+    """A first request leaves a 2,000-token prefix in the radix cache with its compressed
+    pages; four concurrent requests over it then compress nothing of it and hold its pages
+    once (pages are keyed by the KV slots the tree hands out). Outputs equal plain SGLang's,
+    and the bytes gauge is the pages in use times a page's share of the pool /server_info
+    measured."""
+    ids = tokenizer(stdlib_source("calendar"))["input_ids"]
+    prefix, tails = ids[2000:4000], [ids[4000 + 32 * i : 4032 + 32 * i] for i in range(5)]
+    # The first request runs longer, so that it compresses every group the others reach:
+    # its last round starts at 2,049 tokens or more (a first round emits at most 17), theirs at
+    # 2,048 at most, i.e. 60 whole groups older than the 128-token recent window, all inside
+    # the shared prefix.
+    requests_ = [payload(prefix + tail, "code", max_new_tokens=64 if i == 0 else 16)
+                 for i, tail in enumerate(tails)]
+    expected = [out["output_ids"] for out in plain.all(requests_)]
+    assert requests.post(f"{vericache_server.url}/flush_cache", timeout=60).ok
+    before = _vericache_metrics(vericache_server)
+    first = vericache_server.generate(requests_[0])
+    after_first = _vericache_metrics(vericache_server)
+    got = send_all(vericache_server, requests_[1:])
+    after = _vericache_metrics(vericache_server)
+
+    assert [out["output_ids"] for out in [first, *got]] == expected
+    assert all(out["meta_info"]["cached_tokens"] >= 1999 for out in got)
+    pages = after_first["vericache:compressed_pages_total"] - before.get(
+        "vericache:compressed_pages_total", 0.0)
+    assert 60 <= pages <= 61
+    assert after["vericache:compressed_pages_total"] == after_first[
+        "vericache:compressed_pages_total"]
+    assert after["vericache:compressed_pool_pages"] == pages  # held once, not five times
+    memory = vericache_server.server_info()["vericache"]["memory"]
+    assert after["vericache:compressed_tier_bytes"] == (
+        memory["compressed_pool_bytes"] * pages // memory["compressed_pool_pages"])
+
+
 def test_streaming(vericache_server, plain, prompt_ids):
     """Streamed chunks add up to exactly the plain server's text."""
     request = payload(prompt_ids["csv_700"], "code", max_new_tokens=64)

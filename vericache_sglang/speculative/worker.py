@@ -124,6 +124,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # Cumulative over all requests, for the logs (per-request figures go to meta_info),
         # and as Prometheus counters with --enable-metrics.
         self.totals = RoundCounts()
+        self._pages_reported = 0  # pool pages compressed that /metrics already counts
         self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
                         if server_args.enable_metrics else None)
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d)",
@@ -434,5 +435,9 @@ class VeriCacheWorker(BaseSpecWorker):
                   if verified else RoundCounts(plain_decode_steps=bs))
         self.totals.add(counts)
         if self.metrics is not None:
-            self.metrics.record(counts, self.held_bytes())
+            compressed = 0 if self.pool is None else self.pool.compressed_pages
+            self.metrics.record(counts, self.held_bytes(),
+                                pages_used=0 if self.pool is None else self.pool.used_pages,
+                                pages_compressed=compressed - self._pages_reported)
+            self._pages_reported = compressed
 
