@@ -30,9 +30,17 @@ def demo_model(demo_models: models.PreparedModels) -> Path:
 
 # Arguments every test server shares, so that a VeriCache server and the plain one differ only
 # by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks; sampling is seeded
-# so that a sampling test's outcome is reproducible.
+# so that a sampling test's outcome is reproducible; sixteen requests may run at once (VeriCache
+# reserves the device's drafting windows for that many).
 SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics",
-               "--random-seed", "0"]
+               "--random-seed", "0", "--max-running-requests", "16"]
+
+FULL_KV_BYTES_PER_TOKEN = 46080
+"""The demo model's float32 KV per token: 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes."""
+
+HOST_BUDGET = str(32768 * FULL_KV_BYTES_PER_TOKEN)
+"""The session's VeriCache server keeps the full KV of as many tokens in host memory as plain
+SGLang's pool holds (--max-total-tokens 32768), so two servers take the same memory on CPU."""
 
 
 SESSION_SERVERS = {"plain_server", "vericache_server"}
@@ -55,12 +63,13 @@ def plain_server(demo_model: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
     """The demo model served in float32 with VeriCache: 4-bit KIVI, draft length adapting
-    from 16 (the defaults)."""
+    from 16, the full KV in host memory (the defaults)."""
     server = ServerProcess(demo_model, [
         *SERVER_ARGS,
         "--enable-vericache",
         "--vericache-compressor", "kivi:bits=4",
         "--vericache-draft-length", "16",
+        "--vericache-full-tier-budget", HOST_BUDGET,
     ])
     with server:
         yield server

@@ -19,7 +19,7 @@ BAD_FLAGS = {
                           "--vericache-full-tier-budget"),
     "bad placement": (["--enable-vericache", "--vericache-full-tier", "cloud"],
                       "--vericache-full-tier"),
-    "full tier not built yet": (["--enable-vericache", "--vericache-full-tier", "host"],
+    "disk tier not built yet": (["--enable-vericache", "--vericache-full-tier", "disk"],
                                 "not built yet"),
     "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
 }
@@ -63,6 +63,6 @@ def test_help_lists_vericache_flags():
     assert out.returncode == 0
     for flag in ("--enable-vericache", "--vericache-compressor", "--vericache-draft-length",
                  "--vericache-max-draft-length", "--vericache-full-tier",
-                 "--vericache-full-tier-budget"):
+                 "--vericache-full-tier-budget", "--vericache-staging-budget"):
         assert flag in out.stdout
     assert "VeriCache" in out.stdout

@@ -31,6 +31,7 @@ def test_parse_size_rejects(text):
 def test_defaults_without_flags():
     config = VeriCacheConfig.build({})
     assert config.enable_vericache is False
+    assert config.vericache_full_tier == "host"
     assert config.vericache_draft_length == 16
     assert config.vericache_max_draft_length == 64
 
@@ -63,9 +64,11 @@ def test_size_parsing_for_budgets():
     ({"vericache_max_draft_length": "8"}, "min-draft-length <= --vericache-draft-length"),
     ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
     ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
-    ({"vericache_full_tier": "host"}, "--vericache-full-tier host is not built yet"),
     ({"vericache_full_tier": "disk"}, "--vericache-full-tier disk is not built yet"),
-    ({"vericache_full_tier_budget": "4GiB"}, "--vericache-full-tier-budget is not built yet"),
+    ({"vericache_full_tier": "device", "vericache_full_tier_budget": "4GiB"},
+     "--vericache-full-tier-budget sizes the host placement"),
+    ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},
+     "--vericache-staging-budget sizes the host placement"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
 ])
 def test_invalid_values_raise_one_clear_error(values, message):

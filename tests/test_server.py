@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.conftest import stdlib_source
+from tests.conftest import HOST_BUDGET, stdlib_source
 
 pytestmark = pytest.mark.server
 
@@ -72,14 +72,19 @@ def test_server_info_reports_vericache_settings(vericache_server):
     server_info = vericache_server.server_info()
     info = server_info["vericache"]
     memory = info.pop("memory")
-    # Measured in the scheduler from the pools' storages: the full KV pool holds what SGLang
-    # reports, and 4-bit pages take under a fifth of float32 KV per token.
+    # Measured in the scheduler from the pools' storages: the full KV pool (host memory) holds
+    # what SGLang reports, and 4-bit pages take under a fifth of float32 KV per token.
+    assert memory["full_tier"] == "host"
     assert memory["full_kv_pool_tokens"] == server_info["max_total_num_tokens"]
+    assert memory["full_kv_pool_bytes"] <= int(HOST_BUDGET) * 1.001
     assert memory["compressed_page_tokens"] == 32
     assert 0 < memory["compressed_bytes_per_token"] < 0.2 * memory["full_kv_bytes_per_token"]
-    # Full pool plus compressed pool fit the bytes --max-total-tokens gives plain SGLang.
-    full_alone = 32768 * memory["full_kv_bytes_per_token"]
-    assert memory["full_kv_pool_bytes"] + memory["compressed_pool_bytes"] <= full_alone * 1.001
+    # The device holds the compressed pool, the staging area and the drafting windows within
+    # the bytes --max-total-tokens gives plain SGLang's KV pool.
+    device_budget = 32768 * memory["full_kv_bytes_per_token"]
+    assert memory["device_budget_bytes"] == device_budget
+    assert (memory["compressed_pool_bytes"] + memory["staging_bytes"]
+            + memory["window_reserve_bytes"]) <= device_budget
     compressor = info.pop("vericache_compressor")
     assert compressor.startswith("kivi:") and "bits=4" in compressor.split(":")[1].split(",")
     assert info == {
@@ -87,6 +92,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_draft_length": 16,
         "vericache_min_draft_length": 4,
         "vericache_max_draft_length": 64,
-        "vericache_full_tier": "device",
-        "vericache_full_tier_budget": None,
+        "vericache_full_tier": "host",
+        "vericache_full_tier_budget": int(HOST_BUDGET),
+        "vericache_staging_budget": None,
     }

@@ -83,20 +83,31 @@ class VeriCacheConfig:
         metadata={"help": "Upper bound of the adaptive draft length."},
     )
     vericache_full_tier: str = field(
-        default="device",
+        default="host",
         metadata={
-            "help": "Where the full-precision KV lives. Only 'device' (SGLang's own KV pool) "
-            "is built so far; 'host' and 'disk' are refused until the full tier can leave "
-            "the device.",
+            "help": "Where the full-precision KV lives. 'host': in host memory; the device "
+            "keeps the compressed pool, drafting windows and a staging area that verification "
+            "streams the full KV through, layer by layer, while drafting runs. 'device': in "
+            "SGLang's own KV pool beside the compressed pool. 'disk' is refused until built.",
             "choices": FULL_TIER_PLACEMENTS,
         },
     )
     vericache_full_tier_budget: int | None = field(
         default=None,
         metadata={
-            "help": "Most bytes the full tier may hold on host or disk, e.g. 8GiB or 512MB "
-            "(K/M/G decimal, Ki/Mi/Gi binary). Not built yet: refused until --vericache-"
-            "full-tier host/disk exists.",
+            "help": "Most bytes the host full tier may hold, e.g. 8GiB or 512MB (K/M/G "
+            "decimal, Ki/Mi/Gi binary); by default as many tokens as the compressed pool "
+            "covers. Only with --vericache-full-tier host.",
+            "parse": parse_size,
+        },
+    )
+    vericache_staging_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Device bytes of the staging area verification reads the host full tier "
+            "through, a size like --vericache-full-tier-budget; at least two units of one "
+            "layer of a full-context request (default: four units). Only with "
+            "--vericache-full-tier host.",
             "parse": parse_size,
         },
     )
@@ -121,16 +132,15 @@ class VeriCacheConfig:
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "
                 f"got {self.vericache_full_tier!r}"
             )
-        if self.vericache_full_tier != "device":
+        if self.vericache_full_tier == "disk":
             raise VeriCacheConfigError(
-                f"--vericache-full-tier {self.vericache_full_tier} is not built yet: the full "
-                "KV stays in SGLang's device pool; use 'device' (the default)"
-            )
-        if self.vericache_full_tier_budget is not None:
-            raise VeriCacheConfigError(
-                "--vericache-full-tier-budget is not built yet: the full KV stays in SGLang's "
-                "device pool, sized by --max-total-tokens / --mem-fraction-static"
-            )
+                "--vericache-full-tier disk is not built yet: use 'host' (the default) or "
+                "'device'")
+        for name in ("vericache_full_tier_budget", "vericache_staging_budget"):
+            if getattr(self, name) is not None and self.vericache_full_tier != "host":
+                raise VeriCacheConfigError(
+                    f"{_flag(name)} sizes the host placement; it does nothing with "
+                    f"--vericache-full-tier {self.vericache_full_tier}")
         object.__setattr__(
             self, "vericache_compressor", _validated_compressor(self.vericache_compressor)
         )

@@ -66,6 +66,28 @@ class VeriCacheMetrics:
             "prefixes the radix cache keeps), request-owned blocks and drafting buffers.",
             labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
 
+        def seconds(name: str, doc: str) -> Any:
+            return Counter(f"vericache:{name}", doc,
+                           labelnames=[*labels.keys(), "phase"])
+
+        self.full_tier_read_bytes = Counter(
+            "vericache:full_tier_read_bytes", "Bytes read from the host full tier (phase: "
+            "prefill, or decode: verification, drafting windows, pages being compressed); "
+            "per emitted token: rate() over emitted_tokens.",
+            labelnames=[*labels.keys(), "phase"])
+        self.fetch_seconds = seconds(
+            "fetch_seconds", "Time spent copying the full tier to the device.")
+        self.fetch_wait_seconds = seconds(
+            "fetch_wait_seconds", "Time forwards waited for full-tier copies (not hidden "
+            "behind drafting or earlier layers).")
+
+    def record_fetch(self, stats, *, prefill: bool) -> None:
+        """Add one forward's full-tier reads (`tiers.staging.FetchStats`)."""
+        labels = {**self._labels, "phase": "prefill" if prefill else "decode"}
+        self.full_tier_read_bytes.labels(**labels).inc(stats.bytes)
+        self.fetch_seconds.labels(**labels).inc(stats.copy_s)
+        self.fetch_wait_seconds.labels(**labels).inc(stats.wait_s)
+
     def record(self, counts: RoundCounts, held_bytes: int, pages_used: int,
                pages_compressed: int) -> None:
         """Add one scheduler step's counts and pages compressed; set the compressed KV's current

@@ -67,6 +67,15 @@ def _scheduler_init_info(result: dict[str, Any], scheduler) -> dict[str, Any]:
     return result
 
 
+def _scheduler_internal_state(result, scheduler, *args: Any):
+    """`/server_info` `internal_states`: VeriCache's running state (device bytes, full-tier
+    reads, fetch overlap, tier occupancy) beside SGLang's."""
+    worker = scheduler.draft_worker
+    if hasattr(worker, "live_report"):
+        result.internal_state["vericache"] = worker.live_report()
+    return result
+
+
 class _EngineServerArgs:
     """`Engine.server_args_class` that also accepts the `vericache_*` keyword arguments.
 
@@ -112,5 +121,9 @@ def register() -> None:
     HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_init_info",
                           _scheduler_init_info, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+                          _scheduler_internal_state, HookType.AFTER)
     HookRegistry.register(budget.TARGET, budget.fit_compressed_pool, HookType.AROUND)
+    HookRegistry.register(budget.MAX_REQUESTS_TARGET, budget.cap_running_requests,
+                          HookType.AROUND)
     _accept_engine_kwargs()

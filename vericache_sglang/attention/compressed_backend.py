@@ -27,10 +27,10 @@ class CompressedTierAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if self.tier.compressor.needs_scores:
-            self._observe_prompt(q, layer, forward_batch)
+            self.observe_prompt(q, layer, forward_batch)
         return out
 
-    def _observe_prompt(self, q, layer, forward_batch) -> None:
+    def observe_prompt(self, q, layer, forward_batch) -> None:
         """Record attention probabilities of each request's last extend queries."""
         window = self.tier.compressor.score_window()
         q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)

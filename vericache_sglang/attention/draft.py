@@ -18,6 +18,8 @@ rejected draft leaves no trace.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 import vericache_kernels as kernels
@@ -25,6 +27,7 @@ from vericache_sglang.attention.compressed_backend import CompressedTierAttnBack
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
+from vericache_sglang.tiers.staging import StagingArea
 
 
 class DraftAttnBackend(CompressedTierAttnBackend):
@@ -37,9 +40,14 @@ class DraftAttnBackend(CompressedTierAttnBackend):
     """
 
     def __init__(self, model_runner, tier: CompressedTier,
-                 pool: CompressedPagePool | None = None) -> None:
+                 pool: CompressedPagePool | None = None,
+                 staging: StagingArea | None = None) -> None:
+        """`staging`: given when the full KV is in host memory; the round's exact rows are then
+        read from it once per round into device buffers (counted as full-tier reads)."""
         super().__init__(model_runner, tier)
         self.pool = pool
+        self.staging = staging
+        self._window: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._committed: list[int] = []
         self._step = 0
         self._max_steps = 0
@@ -75,11 +83,13 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self._tail_k.clear()
         self._tail_v.clear()
         self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
+        self._window = []
 
     def round_buffer_bytes(self) -> int:
         """Bytes of the buffers that live for the current round (storages, measured)."""
         return storage_bytes([*self._tail_k.values(), *self._tail_v.values(), self._page_table,
-                              self._paged_lens, self._exact_rows, self._exact_lens])
+                              self._paged_lens, self._exact_rows, self._exact_lens,
+                              *(t for pair in self._window for t in pair)])
 
     def _plan_pool_reads(self, req_slots: list[int]) -> None:
         req_to_token = self.req_to_token_pool.req_to_token
@@ -103,6 +113,13 @@ class DraftAttnBackend(CompressedTierAttnBackend):
                                        dtype=torch.int64, device=device)
         for i, r in enumerate(exact):
             self._exact_rows[i, : len(r)] = r
+        if self.staging is not None:
+            began = time.perf_counter()
+            self._window = [(self.token_to_kv_pool.get_key_buffer(layer)[self._exact_rows],
+                             self.token_to_kv_pool.get_value_buffer(layer)[self._exact_rows])
+                            for layer in range(self.staging.layers)]
+            self.staging.record_direct(storage_bytes([t for pair in self._window for t in pair]),
+                                       time.perf_counter() - began)
 
     def _tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record this step's K/V [bs, H, D] in the layer's scratch tail and return the tail."""
@@ -136,8 +153,11 @@ class DraftAttnBackend(CompressedTierAttnBackend):
     def _pool_attention(self, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over the pages of each request's old groups plus its exact part."""
         lid = layer.layer_id
-        k_exact = self.token_to_kv_pool.get_key_buffer(lid)[self._exact_rows]
-        v_exact = self.token_to_kv_pool.get_value_buffer(lid)[self._exact_rows]
+        if self._window:
+            k_exact, v_exact = self._window[lid]
+        else:
+            k_exact = self.token_to_kv_pool.get_key_buffer(lid)[self._exact_rows]
+            v_exact = self.token_to_kv_pool.get_value_buffer(lid)[self._exact_rows]
         paged = self.pool.layer(lid, self._page_table, self._paged_lens)
         return kernels.decode_attention(q, paged, k_exact, v_exact, self._exact_lens,
                                         layer.scaling)

@@ -30,20 +30,28 @@ class VerifyAttnBackend(TorchNativeAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
-        width = forward_batch.spec_info.draft_token_num
-        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
         lens = forward_batch.seq_lens_cpu
         lens = (forward_batch.seq_lens if lens is None else lens).tolist()
+        o = self._run_sdpa_verify(
+            q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices.tolist(), lens,
+            forward_batch.spec_info.draft_token_num, layer,
+        )
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    @staticmethod
+    def _run_sdpa_verify(q, k_cache, v_cache, req_to_token, req_pool_indices: list[int],
+                         prefix_lens: list[int], width: int, layer) -> torch.Tensor:
+        """Attention of each request's `width` chain queries over its prefix plus the chain,
+        reading request i's keys at `k_cache[req_to_token[req_pool_indices[i]]]` (SGLang's
+        `_run_sdpa_forward_*` convention): o [tokens, Hq, Dv]."""
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
         offsets = torch.arange(width, device=q.device)
-        for i, (slot, prefix) in enumerate(
-            zip(forward_batch.req_pool_indices.tolist(), lens, strict=True)
-        ):
+        for i, (slot, prefix) in enumerate(zip(req_pool_indices, prefix_lens, strict=True)):
             rows = req_to_token[slot, : prefix + width]
-            keys, values = k_buffer[rows].movedim(0, 1), v_buffer[rows].movedim(0, 1)
+            keys, values = k_cache[rows].movedim(0, 1), v_cache[rows].movedim(0, 1)
             span = slice(i * width, (i + 1) * width)
             query = q[span].movedim(0, 1)  # [Hq, width, D]
             if keys.dtype != query.dtype:
@@ -55,4 +63,4 @@ class VerifyAttnBackend(TorchNativeAttnBackend):
                 query[None], keys[None], values[None], attn_mask=visible[None, None],
                 scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
             )[0].movedim(0, 1)
-        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        return o

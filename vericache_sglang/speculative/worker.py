@@ -43,6 +43,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
 from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
@@ -57,8 +58,10 @@ from vericache_sglang.speculative.sampling import (
     sampler_supported,
     verify_tokens,
 )
+from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
+from vericache_sglang.tiers.staging import FetchStats, StagingArea
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +123,16 @@ class VeriCacheWorker(BaseSpecWorker):
         self.pool: CompressedPagePool | None = None
         self.draft_backend: DraftAttnBackend | None = None
         self.verify_backend: VerifyAttnBackend | None = None
+        # With the full KV in host memory: the staging area and the backend of every forward
+        # over the full KV (prefill, verification, plain decode).
+        self.placement = config.vericache_full_tier
+        self.plan: DevicePlan | None = None
+        self.staging: StagingArea | None = None
+        self.full_backend: StagedFullKVAttnBackend | None = None
+        # Full-tier reads of prefill forwards, and of decoding (drafting windows, pages being
+        # compressed, verification).
+        self.fetched = {"prefill": FetchStats(), "decode": FetchStats()}
+        self.peak_round_bytes = 0
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
         # Cumulative over all requests, for the logs (per-request figures go to meta_info),
         # and as Prometheus counters with --enable-metrics.
@@ -145,28 +158,54 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def init_attention_backends(self) -> None:
         runner = self.model_runner
+        self.plan = device_plan(self.server_args)
+        if self.placement == "host":
+            if self.plan is None:
+                raise RuntimeError("VeriCache: the device budget was not planned")
+            self.staging = StagingArea(runner.token_to_kv_pool,
+                                       unit_tokens=self.plan.staging_unit_tokens,
+                                       depth=self.plan.staging_units, device=runner.device)
         self.tier = CompressedTier(self.compressor)
         if self.compressor.prefix_stable:
-            self.pool = CompressedPagePool(
-                self.compressor, runner.token_to_kv_pool,
-                num_pages=pool_pages(self.compressor, runner.max_total_num_tokens),
-            )
+            pages = (self.plan.compressed_pool_pages if self.plan is not None
+                     else pool_pages(self.compressor, runner.max_total_num_tokens))
+            self.pool = CompressedPagePool(self.compressor, runner.token_to_kv_pool,
+                                           num_pages=pages)
             self.pool.follow(runner.token_to_kv_pool_allocator)
-        self.draft_backend = DraftAttnBackend(runner, self.tier, self.pool)
-        self.verify_backend = VerifyAttnBackend(runner)
+            if self.staging is not None:
+                self.pool.on_read = self.staging.record_direct
+        self.draft_backend = DraftAttnBackend(runner, self.tier, self.pool, self.staging)
+        if self.staging is not None:
+            observer = (self.draft_backend.observe_prompt if self.compressor.needs_scores
+                        else None)
+            self.full_backend = StagedFullKVAttnBackend(runner, self.staging, observer)
+            self.verify_backend = self.full_backend
+        else:
+            self.verify_backend = VerifyAttnBackend(runner)
         logger.info("VeriCache memory: %s", self.memory_report())
 
     def memory_report(self) -> dict[str, Any]:
-        """What each form of the KV takes on the device, measured from tensor storages: for the
-        startup log and `/server_info`."""
+        """Where each form of the KV lives and what it takes, measured from tensor storages:
+        for the startup log and `/server_info`."""
         full_pool = self.model_runner.token_to_kv_pool
         full_bytes = storage_bytes([*full_pool.k_buffer, *full_pool.v_buffer])
         tokens = self.model_runner.max_total_num_tokens
         report: dict[str, Any] = {
+            "full_tier": self.placement,
             "full_kv_pool_bytes": full_bytes,
             "full_kv_pool_tokens": tokens,
             "full_kv_bytes_per_token": full_bytes / (tokens + 1),  # SGLang pads one slot
         }
+        if self.plan is not None:
+            report["device_budget_bytes"] = self.plan.device_budget_bytes
+            report["max_running_requests"] = self.model_runner.req_to_token_pool.size
+        if self.staging is not None:
+            report.update({
+                "staging_bytes": self.staging.allocated_bytes(),
+                "staging_units": self.staging.depth,
+                "staging_unit_tokens": self.staging.unit_tokens,
+                "window_reserve_bytes": self.plan.window_bytes,
+            })
         if self.pool is not None:
             pool_bytes = self.pool.allocated_bytes()
             report.update({
@@ -183,6 +222,37 @@ class VeriCacheWorker(BaseSpecWorker):
         request-owned blocks and the current round's buffers."""
         pool = 0 if self.pool is None else self.pool.held_bytes()
         return pool + self.tier.nbytes() + self.draft_backend.round_buffer_bytes()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device bytes VeriCache allocated, measured from storages: the compressed pool (all
+        its pages), the staging area, and the largest round buffers seen (drafting windows
+        and tails, the verify chain); with host placement their sum stays within the budget."""
+        report = {
+            "compressed_pool": 0 if self.pool is None else self.pool.allocated_bytes(),
+            "staging": 0 if self.staging is None else self.staging.allocated_bytes(),
+            "peak_round_buffers": self.peak_round_bytes,
+            "request_blocks": self.tier.nbytes(),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+    def live_report(self) -> dict[str, Any]:
+        """VeriCache's running state for `/server_info` (`internal_states`)."""
+        allocator = self.model_runner.token_to_kv_pool_allocator
+        decode = self.fetched["decode"]
+        emitted = self.totals.emitted_tokens + self.totals.plain_decode_steps
+        return {
+            "full_tier": self.placement,
+            "device_bytes": self.device_bytes(),
+            "device_budget_bytes": None if self.plan is None else self.plan.device_budget_bytes,
+            "full_kv_tokens_used": self.model_runner.max_total_num_tokens
+            - allocator.available_size(),
+            "compressed_pool_pages_used": 0 if self.pool is None else self.pool.used_pages,
+            "full_tier_reads": {name: vars(stats) for name, stats in self.fetched.items()},
+            "decode_read_bytes_per_emitted_token": decode.bytes / emitted if emitted else 0.0,
+            "decode_fetch_hidden_fraction": decode.hidden_fraction(),
+            "totals": dict(vars(self.totals)),
+        }
 
     @property
     def spec_v2_attn_backends(self) -> tuple:
@@ -206,12 +276,22 @@ class VeriCacheWorker(BaseSpecWorker):
                                  **_: Any) -> GenerationBatchResult:
         del pp_proxy_tensors
         self._track_owners(batch)
-        if batch.forward_mode.is_decode():
-            result = self._decode(batch)
-        elif batch.forward_mode.is_extend():
-            result = self._prefill(batch)
-        else:
-            raise NotImplementedError(f"VeriCache: unsupported forward mode {batch.forward_mode}")
+        try:
+            if batch.forward_mode.is_decode():
+                result = self._decode(batch)
+            elif batch.forward_mode.is_extend():
+                result = self._prefill(batch)
+            else:
+                raise NotImplementedError(
+                    f"VeriCache: unsupported forward mode {batch.forward_mode}")
+        finally:
+            if self.full_backend is not None:
+                self.full_backend.finish()
+        if self.staging is not None:
+            stats = self.staging.take_stats()
+            self.fetched["decode" if batch.forward_mode.is_decode() else "prefill"].add(stats)
+            if self.metrics is not None:
+                self.metrics.record_fetch(stats, prefill=not batch.forward_mode.is_decode())
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
@@ -250,10 +330,18 @@ class VeriCacheWorker(BaseSpecWorker):
             )
         return result.logits_output
 
+    def _full_kv(self) -> contextlib.AbstractContextManager:
+        """Where a plain forward over the full KV runs: SGLang's own attention, or, with the
+        full KV in host memory, the staged backend."""
+        if self.full_backend is not None:
+            return self._bound(self.full_backend)
+        return contextlib.nullcontext()
+
     def _prefill(self, batch) -> GenerationBatchResult:
-        scoring = self.compressor.needs_scores
-        # Extend through the draft backend only to record prompt scores (its extend is exact).
-        with self._bound(self.draft_backend) if scoring else contextlib.nullcontext():
+        # Extend through the draft backend only to record prompt scores (its extend is exact);
+        # the staged backend records them itself.
+        scoring = self.compressor.needs_scores and self.full_backend is None
+        with self._bound(self.draft_backend) if scoring else self._full_kv():
             result = self._target_worker.forward_batch_generation(batch)
         result.new_seq_lens = batch.seq_lens
         result.next_draft_input = VeriCacheDraftInput(
@@ -286,7 +374,8 @@ class VeriCacheWorker(BaseSpecWorker):
         batch.seq_lens_cpu = committed.cpu() + 1
         batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
         batch.spec_info = None
-        result = self._target_worker.forward_batch_generation(batch)
+        with self._full_kv():
+            result = self._target_worker.forward_batch_generation(batch)
         next_tokens = result.next_token_ids.reshape(-1).to(torch.int64)
         logits_output = result.logits_output
         if logits_output.next_token_logprobs is not None:
@@ -325,6 +414,10 @@ class VeriCacheWorker(BaseSpecWorker):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
         locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
+        if self.full_backend is not None:
+            # The full KV starts streaming now, behind the draft steps.
+            self.full_backend.prefetch(batch.req_pool_indices.tolist(),
+                                       committed.cpu().tolist(), k + 1)
         return _Round(
             k=k, room=room, committed=committed, committed_cpu=committed.cpu(),
             positions=positions, locs=locs.to(torch.int64), tokens=[bonus],
@@ -362,6 +455,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 if grammar is not None:
                     grammar.advance(token)
             round_.round_buffer_bytes = self.draft_backend.round_buffer_bytes()
+            self.peak_round_bytes = max(self.peak_round_bytes, round_.round_buffer_bytes)
         finally:
             self.draft_backend.end_round()
             if grammar is not None:
@@ -385,6 +479,9 @@ class VeriCacheWorker(BaseSpecWorker):
         logits_output = self._forward(self.verify_backend, fb)
         if round_.grammar is not None:
             round_.grammar.constrain_verify(logits_output.next_token_logits)
+        if self.full_backend is not None:
+            self.peak_round_bytes = max(self.peak_round_bytes,
+                                        self.full_backend.round_buffer_bytes())
         return logits_output
 
     def _accept(self, batch, round_: _Round, logits_output) -> GenerationBatchResult:
@@ -405,6 +502,8 @@ class VeriCacheWorker(BaseSpecWorker):
         # its statistics count only drafts it emits (target[j] is draft j+1 for j < accepted).
         accepted = accepted.clamp(max=torch.tensor(round_.room, device=accepted.device) - 1)
         accept_lens = (accepted + 1).to(torch.int32)
+        if self.full_backend is not None:
+            self.full_backend.commit_chain(round_.locs, accept_lens)
         new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
                             round_.committed + accept_lens, new_bonus, width=width, drafted=k,

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -72,6 +74,8 @@ class CompressedPagePool:
         self.compressed_pages = 0
         """Pages quantized since start: a shared prefix counts once."""
         self._warned_full = False
+        self.on_read: Callable[[int, float], None] | None = None
+        """Told (bytes, seconds) of each read of the full pool (when it is off the device)."""
 
     # -- what drafting reads --------------------------------------------------------------------
     def compressible_len(self, committed: int) -> int:
@@ -169,10 +173,13 @@ class CompressedPagePool:
         rows = groups.flatten()
         n = len(pages)
         for layer, bits in enumerate(self.bits):
-            k_codes, k_scale, k_zero = kernels.quantize_keys(
-                self.full_pool.get_key_buffer(layer)[rows], self.group, bits)
-            v_codes, v_scale, v_zero = kernels.quantize_values(
-                self.full_pool.get_value_buffer(layer)[rows], self.v_group, bits)
+            began = time.perf_counter()
+            keys = self.full_pool.get_key_buffer(layer)[rows]
+            values = self.full_pool.get_value_buffer(layer)[rows]
+            if self.on_read is not None:
+                self.on_read(storage_bytes([keys, values]), time.perf_counter() - began)
+            k_codes, k_scale, k_zero = kernels.quantize_keys(keys, self.group, bits)
+            v_codes, v_scale, v_zero = kernels.quantize_values(values, self.v_group, bits)
             self.k_codes[layer][pages] = k_codes
             self.k_scale[layer][pages] = k_scale
             self.k_zero[layer][pages] = k_zero
