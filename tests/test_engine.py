@@ -15,12 +15,16 @@ def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):
     engine = sglang.Engine(
         model_path=str(demo_model), dtype="float32", max_total_tokens=8192, sleep_on_idle=True,
         enable_vericache=True, vericache_draft_length=12, vericache_compressor="kivi:bits=8",
+        vericache_full_tier="device",
     )
     try:
         info = engine.get_server_info()["vericache"]
         assert info["enable_vericache"] is True
         assert info["vericache_draft_length"] == 12
         assert "bits=8" in info["vericache_compressor"]
+        # The full KV stays in SGLang's device pool, beside the compressed pool.
+        assert info["vericache_full_tier"] == "device"
+        assert info["memory"]["full_tier"] == "device"
         ids = hf_reference.tokenizer("class Stack:\n    def __init__(self):")["input_ids"]
         out = engine.generate(input_ids=ids, sampling_params={
             "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})

@@ -18,11 +18,10 @@ from vericache_sglang.prompts import stdlib_source
 from vericache_sglang.server_process import ServerProcess
 
 NOT_BUILT_YET = (
-    "Not built yet: the full tier off the device (host/disk/remote; --vericache-full-tier "
-    "accepts only 'device', and the full KV stays in SGLang's device pool beside the "
-    "compressed pool), drafting for requests with "
-    "penalties or returned logprobs (they decode one plain step at a time), and the overlap "
-    "scheduler."
+    "Not built yet: the disk and remote full tiers (--vericache-full-tier disk is refused), "
+    "the pinned host pool and copy stream of the host tier on a GPU, drafting for requests "
+    "with penalties or returned logprobs (they decode one plain step at a time), and the "
+    "overlap scheduler."
 )
 
 
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("VeriCache settings (/server_info):")
         for key, value in settings.items():
             print(f"  {key}: {value}")
-        print("Device KV memory, measured from the pools' tensors (/server_info):")
+        print("KV memory by placement, measured from the pools' tensors (/server_info):")
         for key, value in memory.items():
             print(f"  {key}: {round(value, 1) if isinstance(value, float) else value}")
 
@@ -95,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {meta['completion_tokens']} tokens in {seconds:.1f} s "
               f"({meta['completion_tokens'] / seconds:.1f} tokens/s incl. prefill) ---")
         print("VeriCache statistics:", vericache_stats(meta) or "none (no verification round ran)")
+        state = server.server_info()["internal_states"][0].get("vericache", {})
+        if state:
+            print(f"device bytes held {state['device_bytes']['total']} of a "
+                  f"{state['device_budget_bytes']}-byte budget; full KV read while decoding: "
+                  f"{state['decode_read_bytes_per_emitted_token']:.0f} B per emitted token, "
+                  f"{state['decode_fetch_hidden_fraction']:.0%} of the copy time hidden")
         print(f"\n{NOT_BUILT_YET}")
     print("server stopped")
     return 0

@@ -133,6 +133,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # compressed, verification).
         self.fetched = {"prefill": FetchStats(), "decode": FetchStats()}
         self.peak_round_bytes = 0
+        self.peak_running_requests = 0
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
         # Cumulative over all requests, for the logs (per-request figures go to meta_info),
         # and as Prometheus counters with --enable-metrics.
@@ -248,6 +249,7 @@ class VeriCacheWorker(BaseSpecWorker):
             "full_kv_tokens_used": self.model_runner.max_total_num_tokens
             - allocator.available_size(),
             "compressed_pool_pages_used": 0 if self.pool is None else self.pool.used_pages,
+            "peak_running_requests": self.peak_running_requests,
             "full_tier_reads": {name: vars(stats) for name, stats in self.fetched.items()},
             "decode_read_bytes_per_emitted_token": decode.bytes / emitted if emitted else 0.0,
             "decode_fetch_hidden_fraction": decode.hidden_fraction(),
@@ -396,6 +398,7 @@ class VeriCacheWorker(BaseSpecWorker):
         ]
 
     def _decode(self, batch) -> GenerationBatchResult:
+        self.peak_running_requests = max(self.peak_running_requests, len(batch.reqs))
         state: VeriCacheDraftInput = batch.spec_info
         committed = batch.seq_lens.to(torch.int64)
         bonus = state.bonus_tokens.reshape(-1).to(torch.int64)

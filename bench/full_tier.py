@@ -1,0 +1,115 @@
+"""More long requests under one device budget: plain SGLang against VeriCache with the full KV
+in host memory, the same --max-total-tokens (the device budget) for both.
+
+One run: eight distinct real prompts (Python standard library sources) of about 4,000 tokens,
+128 greedy tokens each, all sent at once, float32. Per server: output tokens per second over
+the whole run (prefill included), the most requests decoding at once (from the scheduler's
+decode log lines), and for VeriCache the device bytes per context token it can hold, full-tier
+bytes read per emitted token while decoding, and the share of fetch time hidden behind drafting
+and earlier layers (from /server_info). Every VeriCache output is compared with plain SGLang's.
+Plain SGLang with HiCache (--enable-hierarchical-cache) is not in the table: it does not start
+on a machine without CUDA yet (see docs/memory.md).
+
+    .venv/bin/python -m bench.full_tier [--device-tokens 12000] [--write-docs docs/memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.docs_section import replace_section
+from vericache_sglang import models
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+MODULES = ["argparse", "difflib", "inspect", "typing", "tarfile", "pathlib", "functools",
+           "textwrap"]
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
+          "--max-running-requests", "8"]
+CONFIGS = {"plain": [], "vericache": ["--enable-vericache", "--vericache-compressor",
+                                      "kivi:bits=4"]}
+RUNNING = re.compile(r"#running-req: (\d+)")
+
+
+def _run(model: Path, extra: list[str], device_tokens: int, payloads: list[dict]) -> dict:
+    with ServerProcess(model, [*COMMON, *extra], max_total_tokens=device_tokens) as server:
+        began = time.monotonic()
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            outs = list(pool.map(lambda p: server.generate(p, timeout=3600), payloads))
+        seconds = time.monotonic() - began
+        info = server.server_info()
+    log = server.log_path.read_text(errors="replace")
+    tokens = sum(len(out["output_ids"]) for out in outs)
+    row = {"outputs": [out["output_ids"] for out in outs], "seconds": seconds,
+           "tok_s": tokens / seconds,
+           "peak_running": max(map(int, RUNNING.findall(log)), default=0),
+           "capacity_tokens": info["max_total_num_tokens"]}
+    states = [s.get("vericache") for s in info.get("internal_states", [])]
+    if states and states[0]:
+        state = states[0]
+        row.update(
+            device_bytes_per_token=state["device_budget_bytes"] / info["max_total_num_tokens"],
+            read_per_token=state["decode_read_bytes_per_emitted_token"],
+            hidden=state["decode_fetch_hidden_fraction"],
+            device_bytes=state["device_bytes"]["total"],
+            budget=state["device_budget_bytes"],
+            E=state["totals"]["emitted_tokens"] / max(state["totals"]["verify_rounds"], 1))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.full_tier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device-tokens", type=int, default=12000,
+                        help="--max-total-tokens of both servers: the device budget")
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--write-docs", type=Path, help="docs page with a full-tier section")
+    args = parser.parse_args()
+
+    model = models.prepare().target
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    payloads = [{"input_ids": stdlib_ids(tokenizer, m, args.prompt_tokens, start=200),
+                 "sampling_params": {"temperature": 0, "max_new_tokens": args.max_new_tokens,
+                                     "ignore_eos": True}} for m in MODULES]
+    rows = {}
+    for name, extra in CONFIGS.items():
+        print(f"[bench] {name} ...", flush=True)
+        rows[name] = _run(model, extra, args.device_tokens, payloads)
+        print(f"[bench] {name}: {rows[name]['tok_s']:.2f} tok/s, peak running "
+              f"{rows[name]['peak_running']}", flush=True)
+    plain, vc = rows["plain"], rows["vericache"]
+    identical = sum(a == b for a, b in zip(plain["outputs"], vc["outputs"], strict=True))
+    full = 46080  # float32 full KV per token of the demo model, as /server_info measures
+    table = "\n".join([
+        f"\nMeasured by `python -m bench.full_tier --device-tokens {args.device_tokens}` "
+        f"(8 prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} greedy tokens "
+        "each, float32, one run):\n",
+        "| server | output tok/s | peak running requests | context tokens the budget holds "
+        "| device bytes per context token | full-tier bytes read per emitted token "
+        "| fetch time hidden |",
+        "|---|---|---|---|---|---|---|",
+        f"| plain SGLang | {plain['tok_s']:.2f} | {plain['peak_running']} | "
+        f"{plain['capacity_tokens']} | {full} | (whole context every token) | - |",
+        f"| VeriCache, host tier | {vc['tok_s']:.2f} | {vc['peak_running']} | "
+        f"{vc['capacity_tokens']} | {vc['device_bytes_per_token']:.0f} | "
+        f"{vc['read_per_token']:.0f} | {vc['hidden']:.0%} |",
+        "",
+        f"Throughput ratio VeriCache / plain: **{vc['tok_s'] / plain['tok_s']:.2f}x**; "
+        f"outputs identical: {identical} of {len(MODULES)}; tokens per verification round "
+        f"E = {vc['E']:.1f}; device bytes VeriCache allocated {vc['device_bytes']} of its "
+        f"{vc['budget']} budget.\n",
+    ])
+    print(table)
+    if args.write_docs:
+        replace_section(args.write_docs, "full-tier", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The full KV in host memory (`--vericache-full-tier host`, the default): a device budget that
+plain SGLang fills with three 2,000-token requests serves eight at once, output identical to
+plain SGLang's (which gets enough device memory), and the device holds no more than the budget.
+
+One VeriCache server with --max-total-tokens 8000: 8,000 tokens of float32 full KV (368.6 MB)
+is the device budget, spent on the compressed pool, the staging area and the drafting windows
+of eight running requests; the full KV lives in the host pool beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from tests.speculative.identity import payload, send_all
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
+
+DEVICE_TOKENS = 8000
+MODULES = ["textwrap", "argparse", "difflib", "inspect", "typing", "functools", "pathlib",
+           "tarfile"]
+
+
+@pytest.fixture(scope="module")
+def host_server(demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
+                                    "--max-running-requests", "8"],
+                       max_total_tokens=DEVICE_TOKENS) as server:
+        yield server
+
+
+def _state(server: ServerProcess) -> dict:
+    return server.server_info()["internal_states"][0]["vericache"]
+
+
+def _within_budget(state: dict) -> None:
+    assert state["full_tier"] == "host"
+    assert state["device_budget_bytes"] == DEVICE_TOKENS * FULL_KV_BYTES_PER_TOKEN
+    assert 0 < state["device_bytes"]["total"] <= state["device_budget_bytes"]
+
+
+def test_eight_long_requests_at_once_under_a_small_device_budget(host_server, plain, tokenizer):
+    prompts = [stdlib_ids(tokenizer, module, 2000, start=500) for module in MODULES]
+    # Plain SGLang with the same --max-total-tokens holds the KV of fewer than four of them.
+    assert sum(len(ids) + 64 for ids in prompts[:4]) > DEVICE_TOKENS
+    payloads = [payload(ids, "code", max_new_tokens=64) for ids in prompts]
+    expected = [out["output_ids"] for out in plain.all(payloads)]
+    got = send_all(host_server, payloads)
+    assert [out["output_ids"] for out in got] == expected
+    state = _state(host_server)
+    assert state["peak_running_requests"] == 8
+    _within_budget(state)
+    # One fetch of the context serves every token a round emits: far fewer full-KV bytes read
+    # per emitted token than the context's KV, which a plain decode step reads each token.
+    assert 0 < state["decode_read_bytes_per_emitted_token"] < 2000 * FULL_KV_BYTES_PER_TOKEN / 4
+    info = host_server.server_info()["vericache"]["memory"]
+    assert info["full_kv_pool_tokens"] > 8 * 2064
+
+
+def test_a_6000_token_prompt_prefilled_in_chunks(host_server, plain, tokenizer):
+    """Chunks of 2,048 tokens: the second and third attend to the earlier ones streamed from
+    the host tier."""
+    before = _state(host_server)["full_tier_reads"]["prefill"]["bytes"]
+    request = payload(stdlib_ids(tokenizer, "argparse", 6000), "code", max_new_tokens=64)
+    assert host_server.generate(request)["output_ids"] == plain(request)["output_ids"]
+    state = _state(host_server)
+    # The prefix of chunks two and three, every layer: 2,048 + 4,096 tokens of full KV.
+    assert state["full_tier_reads"]["prefill"]["bytes"] - before >= \
+        6144 * FULL_KV_BYTES_PER_TOKEN
+    _within_budget(state)
+
+
+def test_a_cached_prefix_is_reused_from_the_host_tier(host_server, plain, tokenizer):
+    ids = stdlib_ids(tokenizer, "calendar", 2300)
+    first, second = (payload(ids[:2000] + ids[2000 + 100 * i: 2100 + 100 * i], "code",
+                             max_new_tokens=32) for i in range(2))
+    assert host_server.generate(first)["output_ids"] == plain(first)["output_ids"]
+    out = host_server.generate(second)
+    assert out["output_ids"] == plain(second)["output_ids"]
+    assert out["meta_info"]["cached_tokens"] >= 1990
+
+
+def test_pools_return_to_baseline_after_flush_and_do_not_grow(host_server, tokenizer):
+    """After /flush_cache no host slot and no compressed page is in use; a hundred more
+    requests and another flush leave the same, and device bytes stay within the budget."""
+    def flush_and_check() -> None:
+        assert requests.post(f"{host_server.url}/flush_cache", timeout=60).ok
+        state = _state(host_server)
+        assert state["full_kv_tokens_used"] == 0
+        assert state["compressed_pool_pages_used"] == 0
+        _within_budget(state)
+
+    flush_and_check()
+    source = stdlib_ids(tokenizer, "heapq", 3000)
+    for batch in range(10):
+        payloads = [payload(source[300 * batch + 30 * i: 300 * batch + 30 * i + 40], "code",
+                            max_new_tokens=8) for i in range(10)]
+        assert all(len(out["output_ids"]) == 8 for out in send_all(host_server, payloads))
+    flush_and_check()

@@ -1,0 +1,51 @@
+"""How SGLang's KV sizing (N tokens of full KV) is spent under each placement
+(tiers/budget.py), for the demo model's float32 geometry."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError
+from vericache_sglang.tiers.budget import _Geometry, plan_device_budget
+
+DEMO = _Geometry(layers=30, kv_heads=3, head_dim=64, itemsize=4, context_len=8192)
+
+
+def _config(**values) -> VeriCacheConfig:
+    return VeriCacheConfig.build({"enable_vericache": True, **values})
+
+
+def test_host_placement_fits_the_device_budget_and_covers_more_tokens():
+    plan = plan_device_budget(_config(), DEMO, 32768, max_running_requests=None)
+    assert plan.placement == "host"
+    device = plan.compressed_pool_bytes + plan.staging_bytes + plan.window_bytes
+    assert device <= plan.device_budget_bytes == 32768 * DEMO.full_per_token
+    # 4-bit pages take about a sixth of float32 KV: five times the tokens, after the rest.
+    assert plan.full_kv_tokens > 5 * 32768
+    assert plan.window_requests == 8 and plan.staging_units == 4
+
+
+def test_host_budget_caps_the_tokens():
+    budget = 20000 * DEMO.full_per_token
+    plan = plan_device_budget(_config(vericache_full_tier_budget=budget), DEMO, 32768, 16)
+    assert plan.full_kv_tokens == 20000 and plan.window_requests == 16
+
+
+def test_staging_budget_sets_the_units():
+    unit = (8192 + 64 + 1) * DEMO.full_per_token // DEMO.layers
+    plan = plan_device_budget(_config(vericache_staging_budget=3 * unit + 5), DEMO, 32768, None)
+    assert plan.staging_units == 3 and plan.staging_bytes == 3 * unit
+    with pytest.raises(VeriCacheConfigError, match="below two staging units"):
+        plan_device_budget(_config(vericache_staging_budget=unit), DEMO, 32768, None)
+
+
+def test_a_device_budget_too_small_is_a_clear_error():
+    with pytest.raises(VeriCacheConfigError, match="raise --max-total-tokens"):
+        plan_device_budget(_config(), DEMO, 3000, max_running_requests=None)
+
+
+def test_device_placement_keeps_full_and_compressed_within_the_budget():
+    plan = plan_device_budget(_config(vericache_full_tier="device"), DEMO, 32768, None)
+    assert plan.full_kv_tokens < 32768
+    assert (plan.full_kv_tokens * DEMO.full_per_token + plan.compressed_pool_bytes
+            <= plan.device_budget_bytes)
