@@ -50,7 +50,7 @@ def _run(model: Path, extra: list[str], device_tokens: int, payloads: list[dict]
            "tok_s": tokens / seconds,
            "peak_running": max(map(int, RUNNING.findall(log)), default=0),
            "capacity_tokens": info["max_total_num_tokens"]}
-    states = [s.get("vericache") for s in info.get("internal_states", [])]
+    states = [s.get("vericache_state") for s in info.get("internal_states", [])]
     if states and states[0]:
         state = states[0]
         row.update(

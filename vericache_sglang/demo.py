@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {meta['completion_tokens']} tokens in {seconds:.1f} s "
               f"({meta['completion_tokens'] / seconds:.1f} tokens/s incl. prefill) ---")
         print("VeriCache statistics:", vericache_stats(meta) or "none (no verification round ran)")
-        state = server.server_info()["internal_states"][0].get("vericache", {})
+        state = server.server_info()["internal_states"][0].get("vericache_state", {})
         if state:
             print(f"device bytes held {state['device_bytes']['total']} of a "
                   f"{state['device_budget_bytes']}-byte budget; full KV read while decoding: "

@@ -72,7 +72,7 @@ def _scheduler_internal_state(result, scheduler, *args: Any):
     reads, fetch overlap, tier occupancy) beside SGLang's."""
     worker = scheduler.draft_worker
     if hasattr(worker, "live_report"):
-        result.internal_state["vericache"] = worker.live_report()
+        result.internal_state["vericache_state"] = worker.live_report()
     return result
 
 

@@ -79,7 +79,7 @@ def stats(out: dict) -> tuple[int, int, int]:
 
 def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, list[int]],
                            label: str) -> None:
-    """All twelve prompts in flight together on `server` and on plain SGLang: batched drafting
+    """The prompts in flight together on `server` and on plain SGLang: batched drafting
     and verification over requests with different committed lengths, joining and leaving the
     batch (chats end at their own EOS). Same tokens, same finish reasons; drafting happened
     and some drafts were rejected, so the rejection path ran too."""
