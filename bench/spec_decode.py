@@ -39,8 +39,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
-
 from bench.docs_section import markers, replace_section
 from vericache_sglang.prompts import file_prompt
 from vericache_sglang.server_process import ServerProcess
@@ -166,7 +164,7 @@ def load_prompts(entries: list[str], tokenizer) -> list[Prompt]:
 
 def _generate(server: ServerProcess, ids: list[int], n: int) -> tuple[dict, float]:
     # A fresh prefix cache, so that every timed request prefills its whole prompt.
-    requests.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
+    server.flush_cache()
     began = time.monotonic()
     out = server.generate({"input_ids": ids, "sampling_params": {
         "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})

@@ -133,6 +133,14 @@ class ServerProcess:
         r.raise_for_status()
         return r.json()
 
+    def flush_cache(self, wait_s: float = 60.0) -> None:
+        """POST /flush_cache, letting the scheduler wait up to ``wait_s`` for idle: a request's
+        answer can arrive before the scheduler has retired its last batch, and a flush that
+        finds one refuses (400) instead of waiting."""
+        r = requests.post(f"{self.url}/flush_cache", params={"timeout": wait_s},
+                          timeout=wait_s + 30)
+        r.raise_for_status()
+
     def server_info(self) -> dict:
         r = requests.get(f"{self.url}/server_info", timeout=30)
         r.raise_for_status()
