@@ -1,14 +1,13 @@
-"""More long requests under one device budget: plain SGLang against VeriCache with the full KV
-in host memory, the same --max-total-tokens (the device budget) for both.
+"""More long requests under one device budget: plain SGLang, plain SGLang with its hierarchical
+cache (HiCache, a host tier for prefixes) and VeriCache with the full KV in host memory, the
+same --max-total-tokens (the device budget) for all three.
 
 One run: eight distinct real prompts (Python standard library sources) of about 4,000 tokens,
 128 greedy tokens each, all sent at once, float32. Per server: output tokens per second over
 the whole run (prefill included), the most requests decoding at once (from the scheduler's
 decode log lines), and for VeriCache the device bytes per context token it can hold, full-tier
 bytes read per emitted token while decoding, and the share of fetch time hidden behind drafting
-and earlier layers (from /server_info). Every VeriCache output is compared with plain SGLang's.
-Plain SGLang with HiCache (--enable-hierarchical-cache) is not in the table: it does not start
-on a machine without CUDA yet (see docs/memory.md).
+and earlier layers (from /server_info). Every output is compared with plain SGLang's.
 
     .venv/bin/python -m bench.full_tier [--device-tokens 12000] [--write-docs docs/memory.md]
 """
@@ -32,8 +31,10 @@ MODULES = ["argparse", "difflib", "inspect", "typing", "tarfile", "pathlib", "fu
            "textwrap"]
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
           "--max-running-requests", "8"]
-CONFIGS = {"plain": [], "vericache": ["--enable-vericache", "--vericache-compressor",
-                                      "kivi:bits=4"]}
+CONFIGS = {"plain": [],
+           # a host tier twice the device pool, SGLang's default ratio
+           "hicache": ["--enable-hierarchical-cache", "--hicache-ratio", "2"],
+           "vericache": ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]}
 RUNNING = re.compile(r"#running-req: (\d+)")
 
 
@@ -84,8 +85,11 @@ def main() -> None:
         rows[name] = _run(model, extra, args.device_tokens, payloads)
         print(f"[bench] {name}: {rows[name]['tok_s']:.2f} tok/s, peak running "
               f"{rows[name]['peak_running']}", flush=True)
-    plain, vc = rows["plain"], rows["vericache"]
-    identical = sum(a == b for a, b in zip(plain["outputs"], vc["outputs"], strict=True))
+    plain, hicache, vc = rows["plain"], rows["hicache"], rows["vericache"]
+
+    def identical(row: dict) -> int:
+        return sum(a == b for a, b in zip(plain["outputs"], row["outputs"], strict=True))
+
     full = 46080  # float32 full KV per token of the demo model, as /server_info measures
     table = "\n".join([
         f"\nMeasured by `python -m bench.full_tier --device-tokens {args.device_tokens}` "
@@ -97,12 +101,16 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
         f"| plain SGLang | {plain['tok_s']:.2f} | {plain['peak_running']} | "
         f"{plain['capacity_tokens']} | {full} | (whole context every token) | - |",
+        f"| plain SGLang + HiCache | {hicache['tok_s']:.2f} | {hicache['peak_running']} | "
+        f"{hicache['capacity_tokens']} | {full} | (whole context every token) | - |",
         f"| VeriCache, host tier | {vc['tok_s']:.2f} | {vc['peak_running']} | "
         f"{vc['capacity_tokens']} | {vc['device_bytes_per_token']:.0f} | "
         f"{vc['read_per_token']:.0f} | {vc['hidden']:.0%} |",
         "",
-        f"Throughput ratio VeriCache / plain: **{vc['tok_s'] / plain['tok_s']:.2f}x**; "
-        f"outputs identical: {identical} of {len(MODULES)}; tokens per verification round "
+        f"Throughput ratio VeriCache / plain: **{vc['tok_s'] / plain['tok_s']:.2f}x**, "
+        f"VeriCache / HiCache: **{vc['tok_s'] / hicache['tok_s']:.2f}x**; outputs identical "
+        f"to plain SGLang's: VeriCache {identical(vc)} of {len(MODULES)}, HiCache "
+        f"{identical(hicache)} of {len(MODULES)}; tokens per verification round "
         f"E = {vc['E']:.1f}; device bytes VeriCache allocated {vc['device_bytes']} of its "
         f"{vc['budget']} budget.\n",
     ])

@@ -3,7 +3,8 @@
 SGLang calls `register()` in every process it starts, before arguments are parsed. It adds
 VeriCache's flags to the launcher, carries the resolved settings to the scheduler on the
 server-args record, reports them in `/server_info`, accepts them as `sglang.Engine` keyword
-arguments, and on a machine without a GPU selects SGLang's CPU engine and device.
+arguments, and on a machine without a GPU selects SGLang's CPU engine and device and lets
+SGLang's own hierarchical cache run there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vericache_sglang.config import (
     get_config,
     option_names,
 )
+from vericache_sglang.cpu import hicache as cpu_hicache
 from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import register as register_spec
@@ -115,6 +117,8 @@ def _default_device(server_args: Any) -> None:
 def register() -> None:
     """Plugin entry point: register VeriCache's hooks with SGLang."""
     install_cpu_support()
+    if _cpu_engine():
+        cpu_hicache.register()
     register_spec()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)

@@ -5,7 +5,8 @@ SGLang's scheduler and detokenizer are spawned processes that import `sgl_kernel
 `.pth` file (`python -m vericache_sglang.cpu install`) that calls `install()` at interpreter
 start; the plugin calls it too. Both steps do nothing where an NVIDIA GPU is present.
 
-The finder serves `vericache_sglang.cpu.sgl_kernel_shim` as `sgl_kernel`. It is appended to the
+The finder serves `vericache_sglang.cpu.sgl_kernel_shim` as `sgl_kernel` and
+`vericache_sglang.cpu.kvcacheio_shim` as `sgl_kernel.kvcacheio`. It is appended to the
 *end* of `sys.meta_path`, so an installed sgl_kernel is always found first and never shadowed.
 """
 
@@ -17,8 +18,9 @@ import importlib.util
 import os
 import sys
 
-SHIM_MODULE = "vericache_sglang.cpu.sgl_kernel_shim"
-TARGET = "sgl_kernel"
+# name SGLang imports -> the module that stands in for it
+SHIMS = {"sgl_kernel": "vericache_sglang.cpu.sgl_kernel_shim",
+         "sgl_kernel.kvcacheio": "vericache_sglang.cpu.kvcacheio_shim"}
 
 
 def nvidia_gpu_present() -> bool:
@@ -30,11 +32,12 @@ class SglKernelCpuFinder(importlib.abc.MetaPathFinder):
     """Last-resort finder for `sgl_kernel` on machines without a GPU."""
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: D102
-        if fullname != TARGET:
+        shim = SHIMS.get(fullname)
+        if shim is None:
             return None
-        origin = importlib.util.find_spec(SHIM_MODULE).origin
-        loader = importlib.machinery.SourceFileLoader(TARGET, origin)
-        return importlib.util.spec_from_file_location(TARGET, origin, loader=loader)
+        origin = importlib.util.find_spec(shim).origin
+        loader = importlib.machinery.SourceFileLoader(fullname, origin)
+        return importlib.util.spec_from_file_location(fullname, origin, loader=loader)
 
 
 def install() -> None:

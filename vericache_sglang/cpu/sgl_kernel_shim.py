@@ -4,17 +4,22 @@ No CPU build of sgl-kernel is on PyPI, yet SGLang's CPU engine imports a handful
 module level. This module stands in for the package on machines without a GPU (see
 `vericache_sglang.cpu.finder`): ops our code paths call are implemented in torch; every other
 name resolves to a callable that raises, naming the op, so nothing fails silently.
+`sgl_kernel.kvcacheio` is `vericache_sglang.cpu.kvcacheio_shim`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 from collections.abc import Callable
 
 import torch
 
 __version__ = "0.0.0+vericache.cpu"
 IS_VERICACHE_CPU_SHIM = True
+# A package, so that `sgl_kernel.kvcacheio` (HiCache's transfer ops) can be found beneath it.
+__path__: list[str] = []
+SUBMODULES = ("kvcacheio",)
 
 
 class MissingCpuKernelError(NotImplementedError):
@@ -88,15 +93,16 @@ IMPLEMENTED: dict[str, Callable] = {
 }
 
 
-def _missing(name: str) -> Callable:
+def missing_op(name: str, implemented: dict[str, Callable]) -> Callable:
+    """A stand-in for an op with no CPU implementation: it imports, and raises when called."""
     def op(*args, **kwargs):
         raise MissingCpuKernelError(
             f"sgl_kernel.{name} has no CPU implementation (vericache-sglang provides "
-            f"sgl_kernel on machines without a GPU only for: {', '.join(sorted(IMPLEMENTED))})"
+            f"it on machines without a GPU only for: {', '.join(sorted(implemented))})"
         )
 
-    op.__name__ = name
-    op.__qualname__ = name
+    op.__name__ = name.rsplit(".", 1)[-1]
+    op.__qualname__ = op.__name__
     return op
 
 
@@ -105,6 +111,8 @@ def __getattr__(name: str) -> Callable:
     # calls on CPU); calling one raises with its name.
     if name.startswith("__"):
         raise AttributeError(name)
-    op = _missing(name)
+    if name in SUBMODULES:  # `from sgl_kernel import kvcacheio` asks for the attribute first
+        return importlib.import_module(f"{__name__}.{name}")
+    op = missing_op(name, IMPLEMENTED)
     globals()[name] = op
     return op

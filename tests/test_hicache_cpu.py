@@ -1,0 +1,47 @@
+"""Plain SGLang's hierarchical cache (`--enable-hierarchical-cache`, its default io backend
+and host layout) runs on a machine without a GPU: a prefix evicted from the device pool is
+served from host memory, through the torch transfer ops of the sgl_kernel stand-in, with the
+output of plain SGLang without HiCache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import SERVER_ARGS
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+DEVICE_TOKENS = 4096
+MODULES = ["textwrap", "argparse", "difflib", "inspect"]
+
+
+@pytest.fixture(scope="module")
+def hicache_server(demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-hierarchical-cache",
+                                    "--hicache-ratio", "2"],
+                       max_total_tokens=DEVICE_TOKENS) as server:
+        yield server
+
+
+def _request(ids: list[int]) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                  "ignore_eos": True}}
+
+
+def test_a_prefix_evicted_to_host_memory_is_reused(hicache_server, plain_server, demo_model):
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    prompts = [stdlib_ids(tokenizer, module, 1500, start=200) for module in MODULES]
+    # One after another, so that the device pool (4,096 tokens) evicts the first prompt's KV.
+    assert sum(len(ids) + 16 for ids in prompts) > DEVICE_TOKENS
+    first = [hicache_server.generate(_request(ids)) for ids in prompts]
+    again = hicache_server.generate(_request(prompts[0]))
+    want = plain_server.generate(_request(prompts[0]))["output_ids"]
+    assert first[0]["output_ids"] == again["output_ids"] == want
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details["host"] >= 1400 and details["device"] == 0

@@ -1,0 +1,41 @@
+"""SGLang's hierarchical cache (`--enable-hierarchical-cache`) on a machine without a GPU.
+
+HiCache is plain SGLang's own host tier, the peer VeriCache is measured against. Two things
+stop it without CUDA, both reached by plugin hooks (nothing of SGLang's is edited):
+
+- its host pool registers its buffer with `cudaHostRegister`; with no device to pin for, the
+  buffer is allocated unpinned;
+- its MHA host pool imports the `sgl_kernel.kvcacheio` transfer ops only on CUDA/ROCm; on CPU
+  they are bound to the torch implementations in `kvcacheio_shim` before the pool is built.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from vericache_sglang.cpu import kvcacheio_shim
+
+ALLOC_TARGET = "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register"
+HOST_POOL_INIT = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__"
+
+
+def _unpinned(original, *args: Any, **kwargs: Any):
+    """Nothing to pin host memory for without a GPU: allocate it as ordinary memory."""
+    return original(*args, **{**kwargs, "pin_memory": False})
+
+
+def _bind_transfer_ops(pool, *args: Any, **kwargs: Any) -> None:
+    """Give the host pool's module the transfer ops it imports only on CUDA/ROCm."""
+    module = sys.modules[type(pool).__module__]
+    for name, op in kvcacheio_shim.IMPLEMENTED.items():
+        if not hasattr(module, name):
+            setattr(module, name, op)
+
+
+def register() -> None:
+    """Register the hooks (the plugin calls this only when SGLang's CPU engine is selected)."""
+    HookRegistry.register(ALLOC_TARGET, _unpinned, HookType.AROUND)
+    HookRegistry.register(HOST_POOL_INIT, _bind_transfer_ops, HookType.BEFORE)
