@@ -26,6 +26,7 @@ from vericache_sglang.config import (
 from vericache_sglang.cpu import hicache as cpu_hicache
 from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.speculative import configure as configure_spec
+from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
 from vericache_sglang.tiers import budget
 
@@ -120,6 +121,7 @@ def register() -> None:
     if _cpu_engine():
         cpu_hicache.register()
     register_spec()
+    meta_info.register()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)

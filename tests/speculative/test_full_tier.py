@@ -18,6 +18,7 @@ from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
 from tests.speculative.identity import payload, send_all
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -38,6 +39,10 @@ def _state(server: ServerProcess) -> dict:
     return server.server_info()["internal_states"][0]["vericache_state"]
 
 
+def _read_bytes(state: dict) -> int:
+    return sum(phase["bytes"] for phase in state["full_tier_reads"].values())
+
+
 def _within_budget(state: dict) -> None:
     assert state["full_tier"] == "host"
     assert state["device_budget_bytes"] == DEVICE_TOKENS * FULL_KV_BYTES_PER_TOKEN
@@ -50,9 +55,15 @@ def test_eight_long_requests_at_once_under_a_small_device_budget(host_server, pl
     assert sum(len(ids) + 32 for ids in prompts[:4]) > DEVICE_TOKENS
     payloads = [payload(ids, "code", max_new_tokens=32) for ids in prompts]
     expected = [out["output_ids"] for out in plain.all(payloads)]
+    before = _read_bytes(_state(host_server))
     got = send_all(host_server, payloads)
     assert [out["output_ids"] for out in got] == expected
     state = _state(host_server)
+    # Each request's own reads (meta_info): every verification round streams its ~2,000-token
+    # prefix; together no more than the server read (pages compressed are not attributed).
+    per_request = [out["meta_info"][READ_BYTES_KEY][0] for out in got]
+    assert all(n >= 2000 * FULL_KV_BYTES_PER_TOKEN for n in per_request)
+    assert sum(per_request) <= _read_bytes(state) - before
     assert state["peak_running_requests"] == 8
     _within_budget(state)
     # One fetch of the context serves every token a round emits: far fewer full-KV bytes read
@@ -74,7 +85,9 @@ def test_a_6000_token_prompt_prefilled_in_chunks(host_server, plain, tokenizer):
     the host tier."""
     before = _state(host_server)["full_tier_reads"]["prefill"]["bytes"]
     request = payload(stdlib_ids(tokenizer, "argparse", 6000), "code", max_new_tokens=24)
-    assert host_server.generate(request)["output_ids"] == plain(request)["output_ids"]
+    out = host_server.generate(request)
+    assert out["output_ids"] == plain(request)["output_ids"]
+    assert out["meta_info"][READ_BYTES_KEY][0] >= 6144 * FULL_KV_BYTES_PER_TOKEN
     state = _state(host_server)
     # The prefix of chunks two and three, every layer: 2,048 + 4,096 tokens of full KV.
     assert state["full_tier_reads"]["prefill"]["bytes"] - before >= \

@@ -18,6 +18,7 @@ import requests
 from tests.conftest import SERVER_ARGS, stdlib_source
 from tests.speculative.identity import assert_batch_identical, chat, payload, send_all, stats
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
 
 # Server start-up and the twelve long generations run inside the first test.
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -73,6 +74,8 @@ def test_streaming(vericache_server, plain, prompt_ids):
     assert len(chunks) > 1
     assert chunks[-1]["text"] == plain(request)["text"]
     assert chunks[-1]["output_ids"] == plain(request)["output_ids"]
+    # The per-request read figure is for finished, non-streamed responses only.
+    assert READ_BYTES_KEY not in chunks[-1]["meta_info"]
 
 
 @pytest.mark.parametrize("constraint", [

@@ -53,6 +53,11 @@ def test_units_hold_each_requests_prefix_in_order(full_pool):
     row_bytes = HEADS * DIM * 4
     assert stats.bytes == 2 * LAYERS * 120 * row_bytes
     assert staging.allocated_bytes() == 2 * 2 * 100 * row_bytes
+    # Each request's share, by batch row; a direct read (drafting windows) adds to it.
+    staging.record_direct(2 * LAYERS * 9 * row_bytes, 0.0, [0, 9, 0])
+    assert staging.take_request_bytes() == {i: 2 * LAYERS * n * row_bytes
+                                            for i, n in enumerate([40, 79, 10])}
+    assert staging.take_request_bytes() == {}
     staging.close()
 
 

@@ -119,7 +119,7 @@ class DraftAttnBackend(CompressedTierAttnBackend):
                              self.token_to_kv_pool.get_value_buffer(layer)[self._exact_rows])
                             for layer in range(self.staging.layers)]
             self.staging.record_direct(storage_bytes([t for pair in self._window for t in pair]),
-                                       time.perf_counter() - began)
+                                       time.perf_counter() - began, [len(r) for r in exact])
 
     def _tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record this step's K/V [bs, H, D] in the layer's scratch tail and return the tail."""

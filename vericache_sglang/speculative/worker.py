@@ -51,6 +51,7 @@ from vericache_sglang.config import get_config
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.speculative.grammar import RoundGrammar
 from vericache_sglang.speculative.info import VeriCacheDraftInput, VeriCacheVerifyInput
+from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
 from vericache_sglang.speculative.policy import DraftLengthPolicy
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
@@ -294,11 +295,24 @@ class VeriCacheWorker(BaseSpecWorker):
             self.fetched["decode" if batch.forward_mode.is_decode() else "prefill"].add(stats)
             if self.metrics is not None:
                 self.metrics.record_fetch(stats, prefill=not batch.forward_mode.is_decode())
+            self._attribute_reads(batch.reqs)
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
 
     # -- request lifetime ----------------------------------------------------------------------
+    def _attribute_reads(self, reqs: list) -> None:
+        """Add each request's full-tier bytes of this forward to its `meta_info` figure
+        (`READ_BYTES_KEY`, reported once, when the request finishes). A streamed response's
+        first chunk would carry the figure as it stood after prefill, so streams get none."""
+        for row, nbytes in self.staging.take_request_bytes().items():
+            req = reqs[row]
+            if req.stream:
+                continue
+            if req.customized_info is None:
+                req.customized_info = {}
+            req.customized_info.setdefault(READ_BYTES_KEY, [0])[0] += nbytes
+
     def _release(self, slot: int) -> None:
         self.tier.release(slot)
         self._owners.pop(slot, None)

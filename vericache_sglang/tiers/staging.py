@@ -102,6 +102,7 @@ class StagingArea:
         self._free = threading.Semaphore(depth)
         self._jobs: queue.SimpleQueue[Fetch | None] = queue.SimpleQueue()
         self._stats = FetchStats()
+        self._request_bytes: dict[int, int] = {}  # batch row -> bytes read for that request
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="vericache-staging", daemon=True)
         self._thread.start()
@@ -124,6 +125,7 @@ class StagingArea:
                 used = 0
             groups[-1].append(i)
             used += need
+        self._attribute([len(rows) for rows in prefix_rows])
         units = []
         for layer in range(self.layers):
             for group in groups:
@@ -174,13 +176,30 @@ class StagingArea:
             stats, self._stats = self._stats, FetchStats()
         return stats
 
-    def record_direct(self, nbytes: int, seconds: float) -> None:
+    def take_request_bytes(self) -> dict[int, int]:
+        """Bytes read for each request (by batch row) since the last call: its prefix rows of
+        every planned unit, and its rows of the drafting windows. Pages compressed from the
+        full tier serve every request sharing them and are not attributed."""
+        with self._lock:
+            taken, self._request_bytes = self._request_bytes, {}
+        return taken
+
+    def record_direct(self, nbytes: int, seconds: float,
+                      request_rows: list[int] | None = None) -> None:
         """Count a read of the full tier made outside the copier (drafting windows, pages being
-        compressed): nothing hid it."""
+        compressed): nothing hid it. `request_rows[i]`: the tokens read for batch row i."""
         with self._lock:
             self._stats.bytes += nbytes
             self._stats.copy_s += seconds
             self._stats.wait_s += seconds
+        self._attribute(request_rows or [])
+
+    def _attribute(self, request_rows: list[int]) -> None:
+        """Count `request_rows[i]` tokens of full KV (every layer, K and V) read for batch row i."""
+        token_bytes = 2 * self.layers * self._row_bytes()
+        with self._lock:
+            for i, rows in enumerate(request_rows):
+                self._request_bytes[i] = self._request_bytes.get(i, 0) + rows * token_bytes
 
     def allocated_bytes(self) -> int:
         return storage_bytes([*self.k, *self.v])
