@@ -31,6 +31,17 @@ def test_host_budget_caps_the_tokens():
     assert plan.full_kv_tokens == 20000 and plan.window_requests == 16
 
 
+def test_the_memory_sglang_profiled_caps_the_tokens():
+    """On a machine without a GPU the host pool takes the same memory SGLang profiled: its
+    capacity never exceeds what that memory holds (SGLang asserts as much)."""
+    plan = plan_device_budget(_config(), DEMO, 32768, None, memory_tokens=100_000)
+    assert plan.full_kv_tokens == 100_000
+    budget = 20000 * DEMO.full_per_token
+    plan = plan_device_budget(_config(vericache_full_tier_budget=budget), DEMO, 32768, None,
+                              memory_tokens=100_000)
+    assert plan.full_kv_tokens == 20000
+
+
 def test_staging_budget_sets_the_units():
     unit = (8192 + 64 + 1) * DEMO.full_per_token // DEMO.layers
     plan = plan_device_budget(_config(vericache_staging_budget=3 * unit + 5), DEMO, 32768, None)

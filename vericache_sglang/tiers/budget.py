@@ -89,8 +89,11 @@ class _Geometry:
 
 
 def plan_device_budget(config: VeriCacheConfig, geometry: _Geometry, tokens: int,
-                       max_running_requests: int | None) -> DevicePlan:
-    """Spend the bytes `tokens` of full KV take (see the module docstring)."""
+                       max_running_requests: int | None,
+                       memory_tokens: int | None = None) -> DevicePlan:
+    """Spend the bytes `tokens` of full KV take (see the module docstring). `memory_tokens`:
+    the full KV tokens the memory SGLang profiled holds; with host placement on a machine
+    without a GPU the host pool is allocated there, so it caps the capacity too."""
     compressor = parse_compressor_spec(config.vericache_compressor)
     full = geometry.full_per_token
     budget = tokens * full
@@ -109,7 +112,9 @@ def plan_device_budget(config: VeriCacheConfig, geometry: _Geometry, tokens: int
             "request): raise it or lower --context-length")
     staging = units * unit_bytes
     host_budget = config.vericache_full_tier_budget
-    host_tokens = None if host_budget is None else host_budget // full
+    limits = [n for n in (None if host_budget is None else host_budget // full, memory_tokens)
+              if n is not None]
+    host_tokens = min(limits) if limits else None
     if not compressor.prefix_stable:
         # Token droppers keep request-owned blocks (unbudgeted): the device holds staging.
         capacity = tokens if host_tokens is None else host_tokens
@@ -187,7 +192,7 @@ def fit_compressed_pool(original, configurator: Any, token_capacity: int) -> int
             "pinned host pool and its copy stream are not): use --vericache-full-tier device")
     try:
         plan = plan_device_budget(config, _geometry(configurator), tokens,
-                                  server_args.max_running_requests)
+                                  server_args.max_running_requests, memory_tokens=token_capacity)
     except VeriCacheConfigError as e:
         raise SystemExit(f"vericache: error: {e}") from None
     setattr(server_args, PLAN_ATTR, plan)
