@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
-NEW_TOKENS = 96
+NEW_TOKENS = 64
 
 
 def _code(module: str, start: int, stop: int) -> Callable:
