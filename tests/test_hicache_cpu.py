@@ -1,7 +1,11 @@
 """Plain SGLang's hierarchical cache (`--enable-hierarchical-cache`, its default io backend
 and host layout) runs on a machine without a GPU: a prefix evicted from the device pool is
 served from host memory, through the torch transfer ops of the sgl_kernel stand-in, with the
-output of plain SGLang without HiCache."""
+output the same server computed from scratch the first time (no prefix cached: SGLang's own
+prefill, HiCache only backing it up).
+
+HiCache keeps 10 GiB of host memory free (`HICACHE_HOST_MEMORY_RESERVE_BYTES`), so this module
+starts no other server and runs before the session's servers are up (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
-DEVICE_TOKENS = 4096
+DEVICE_TOKENS = 3072
 MODULES = ["textwrap", "argparse", "difflib", "inspect"]
 
 
@@ -34,14 +38,14 @@ def _request(ids: list[int]) -> dict:
                                                   "ignore_eos": True}}
 
 
-def test_a_prefix_evicted_to_host_memory_is_reused(hicache_server, plain_server, demo_model):
+def test_a_prefix_evicted_to_host_memory_is_reused(hicache_server, demo_model):
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
-    prompts = [stdlib_ids(tokenizer, module, 1500, start=200) for module in MODULES]
-    # One after another, so that the device pool (4,096 tokens) evicts the first prompt's KV.
+    prompts = [stdlib_ids(tokenizer, module, 1000, start=200) for module in MODULES]
+    # One after another, so that the device pool (3,072 tokens) evicts the first prompt's KV.
     assert sum(len(ids) + 16 for ids in prompts) > DEVICE_TOKENS
     first = [hicache_server.generate(_request(ids)) for ids in prompts]
+    assert first[0]["meta_info"]["cached_tokens"] == 0
     again = hicache_server.generate(_request(prompts[0]))
-    want = plain_server.generate(_request(prompts[0]))["output_ids"]
-    assert first[0]["output_ids"] == again["output_ids"] == want
+    assert again["output_ids"] == first[0]["output_ids"]
     details = again["meta_info"]["cached_tokens_details"]
-    assert details["host"] >= 1400 and details["device"] == 0
+    assert details["host"] >= 900 and details["device"] == 0
