@@ -132,6 +132,13 @@ def test_all_layer_backup_to_a_layer_first_host_pool():
         src_v_layers=_table(device_v), dst_v_layers=_table(host_v), src_indices=SRC,
         dst_indices=DST, item_size=HEADS * DIM * 4, num_layers=LAYERS)
     assert all(torch.equal(h, w) for h, w in zip(host_k + host_v, want_k + want_v, strict=True))
+    # No rows to move: nothing to view at the raw addresses, nothing changes.
+    none = torch.empty(0, dtype=torch.int64)
+    kvcacheio.transfer_kv_all_layer(
+        src_k_layers=_table(device_k), dst_k_layers=_table(host_k),
+        src_v_layers=_table(device_v), dst_v_layers=_table(host_v), src_indices=none,
+        dst_indices=none, item_size=HEADS * DIM * 4, num_layers=LAYERS)
+    assert all(torch.equal(h, w) for h, w in zip(host_k + host_v, want_k + want_v, strict=True))
 
 
 def test_page_first_host_pool_round_trip():

@@ -38,9 +38,9 @@ def _copy_rows(src: torch.Tensor, dst: torch.Tensor, src_indices: torch.Tensor,
 
 def _layer_rows(table: torch.Tensor, layer: int, indices: torch.Tensor,
                 item_size: int) -> torch.Tensor:
-    """Layer `layer` of a base-address table, as far as the highest row `indices` touch."""
-    rows = int(indices.max()) + 1 if indices.numel() else 0
-    return _raw_rows(int(table[layer]), rows, item_size)
+    """Layer `layer` of a base-address table, as far as the highest row `indices` touch
+    (`indices` is not empty)."""
+    return _raw_rows(int(table[layer]), int(indices.max()) + 1, item_size)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,6 +61,8 @@ def transfer_kv_all_layer(src_k_layers: torch.Tensor, dst_k_layers: torch.Tensor
                           src_indices: torch.Tensor, dst_indices: torch.Tensor,
                           item_size: int, num_layers: int, **_: object) -> None:
     """Every layer, between two base-address tables (device -> layer-first host pool)."""
+    if src_indices.numel() == 0:
+        return
     for src_table, dst_table in ((src_k_layers, dst_k_layers), (src_v_layers, dst_v_layers)):
         for layer in range(num_layers):
             _copy_rows(_layer_rows(src_table, layer, src_indices, item_size),
@@ -85,6 +87,8 @@ def transfer_kv_all_layer_lf_pf(src_k_layers: torch.Tensor, dst_k: torch.Tensor,
                                 item_size: int, dst_layout_dim: int, num_layers: int,
                                 **_: object) -> None:
     """Every layer, device base-address table -> page-first host pool."""
+    if src_indices.numel() == 0:
+        return
     for src_table, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
         slots = _as_bytes(dst).view(-1, dst_layout_dim)
         for layer in range(num_layers):
