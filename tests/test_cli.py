@@ -19,8 +19,9 @@ BAD_FLAGS = {
                           "--vericache-full-tier-budget"),
     "bad placement": (["--enable-vericache", "--vericache-full-tier", "cloud"],
                       "--vericache-full-tier"),
-    "disk tier not built yet": (["--enable-vericache", "--vericache-full-tier", "disk"],
-                                "not built yet"),
+    "disk tier on another store": (["--enable-vericache", "--vericache-full-tier", "disk",
+                                    "--hicache-storage-backend", "mooncake"],
+                                   "stores pages in files"),
     "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
 }
 
@@ -63,6 +64,7 @@ def test_help_lists_vericache_flags():
     assert out.returncode == 0
     for flag in ("--enable-vericache", "--vericache-compressor", "--vericache-draft-length",
                  "--vericache-max-draft-length", "--vericache-full-tier",
-                 "--vericache-full-tier-budget", "--vericache-staging-budget"):
+                 "--vericache-full-tier-budget", "--vericache-staging-budget",
+                 "--vericache-disk-dir"):
         assert flag in out.stdout
     assert "VeriCache" in out.stdout

@@ -46,6 +46,15 @@ def test_cli_strings_are_converted():
     assert config.vericache_full_tier == "device"
 
 
+def test_the_disk_tier_is_a_host_placement_with_a_directory():
+    config = VeriCacheConfig.build({"enable_vericache": True, "vericache_full_tier": "disk",
+                                    "vericache_full_tier_budget": "1GiB",
+                                    "vericache_disk_dir": "/srv/kv"})
+    assert config.host_placement and config.vericache_disk_dir == "/srv/kv"
+    assert not VeriCacheConfig.build({"enable_vericache": True,
+                                      "vericache_full_tier": "device"}).host_placement
+
+
 def test_engine_values_are_accepted():
     config = VeriCacheConfig.build({"enable_vericache": True, "vericache_draft_length": 24})
     assert config.vericache_draft_length == 24
@@ -64,7 +73,7 @@ def test_size_parsing_for_budgets():
     ({"vericache_max_draft_length": "8"}, "min-draft-length <= --vericache-draft-length"),
     ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
     ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
-    ({"vericache_full_tier": "disk"}, "--vericache-full-tier disk is not built yet"),
+    ({"vericache_disk_dir": "/srv/kv"}, "--vericache-disk-dir places the disk tier"),
     ({"vericache_full_tier": "device", "vericache_full_tier_budget": "4GiB"},
      "--vericache-full-tier-budget sizes the host placement"),
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},

@@ -94,5 +94,6 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_max_draft_length": 64,
         "vericache_full_tier": "host",
         "vericache_full_tier_budget": int(HOST_BUDGET),
+        "vericache_disk_dir": None,
         "vericache_staging_budget": None,
     }

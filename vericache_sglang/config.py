@@ -88,7 +88,9 @@ class VeriCacheConfig:
             "help": "Where the full-precision KV lives. 'host': in host memory; the device "
             "keeps the compressed pool, drafting windows and a staging area that verification "
             "streams the full KV through, layer by layer, while drafting runs. 'device': in "
-            "SGLang's own KV pool beside the compressed pool. 'disk' is refused until built.",
+            "SGLang's own KV pool beside the compressed pool. 'disk': as 'host', and pages the "
+            "radix tree evicts from host memory go to files through SGLang's hierarchical "
+            "cache (--vericache-disk-dir), each with a digest checked when it is read back.",
             "choices": FULL_TIER_PLACEMENTS,
         },
     )
@@ -97,8 +99,16 @@ class VeriCacheConfig:
         metadata={
             "help": "Most bytes the host full tier may hold, e.g. 8GiB or 512MB (K/M/G "
             "decimal, Ki/Mi/Gi binary); by default as many tokens as the compressed pool "
-            "covers. Only with --vericache-full-tier host.",
+            "covers. Only with --vericache-full-tier host or disk.",
             "parse": parse_size,
+        },
+    )
+    vericache_disk_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the disk tier's page files (default: SGLang's file backend "
+            "directory, $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache). Only with "
+            "--vericache-full-tier disk.",
         },
     )
     vericache_staging_budget: int | None = field(
@@ -107,7 +117,7 @@ class VeriCacheConfig:
             "help": "Device bytes of the staging area verification reads the host full tier "
             "through, a size like --vericache-full-tier-budget; at least two units of one "
             "layer of a full-context request (default: four units). Only with "
-            "--vericache-full-tier host.",
+            "--vericache-full-tier host or disk.",
             "parse": parse_size,
         },
     )
@@ -132,18 +142,23 @@ class VeriCacheConfig:
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "
                 f"got {self.vericache_full_tier!r}"
             )
-        if self.vericache_full_tier == "disk":
-            raise VeriCacheConfigError(
-                "--vericache-full-tier disk is not built yet: use 'host' (the default) or "
-                "'device'")
         for name in ("vericache_full_tier_budget", "vericache_staging_budget"):
-            if getattr(self, name) is not None and self.vericache_full_tier != "host":
+            if getattr(self, name) is not None and not self.host_placement:
                 raise VeriCacheConfigError(
                     f"{_flag(name)} sizes the host placement; it does nothing with "
                     f"--vericache-full-tier {self.vericache_full_tier}")
+        if self.vericache_disk_dir is not None and self.vericache_full_tier != "disk":
+            raise VeriCacheConfigError(
+                "--vericache-disk-dir places the disk tier; it does nothing with "
+                f"--vericache-full-tier {self.vericache_full_tier}")
         object.__setattr__(
             self, "vericache_compressor", _validated_compressor(self.vericache_compressor)
         )
+
+    @property
+    def host_placement(self) -> bool:
+        """The full KV pool lives in host memory ('host', and 'disk' which spills below it)."""
+        return self.vericache_full_tier != "device"
 
     @classmethod
     def build(cls, values: dict[str, Any]) -> VeriCacheConfig:

@@ -18,7 +18,7 @@ from vericache_sglang.prompts import stdlib_source
 from vericache_sglang.server_process import ServerProcess
 
 NOT_BUILT_YET = (
-    "Not built yet: the disk and remote full tiers (--vericache-full-tier disk is refused), "
+    "Not built yet: a remote full tier, "
     "the pinned host pool and copy stream of the host tier on a GPU, drafting for requests "
     "with penalties or returned logprobs (they decode one plain step at a time), and the "
     "overlap scheduler."

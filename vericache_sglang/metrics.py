@@ -81,6 +81,20 @@ class VeriCacheMetrics:
             "fetch_wait_seconds", "Time forwards waited for full-tier copies (not hidden "
             "behind drafting or earlier layers).")
 
+        self.disk_faults = Counter(
+            "vericache:disk_faults", "Disk-tier pages that could not be used (kind: missing, "
+            "short, corrupt, read_error, write_error); each made its prefix recompute from "
+            "that page on.", labelnames=[*labels.keys(), "kind"])
+        self._disk_faults_seen: dict[str, int] = {}
+
+    def record_disk_faults(self, counts: dict[str, int]) -> None:
+        """Bring the fault counters up to the storage backend's running counts."""
+        for kind, count in counts.items():
+            seen = self._disk_faults_seen.get(kind, 0)
+            if count > seen:
+                self.disk_faults.labels(**self._labels, kind=kind).inc(count - seen)
+                self._disk_faults_seen[kind] = count
+
     def record_fetch(self, stats, *, prefill: bool) -> None:
         """Add one forward's full-tier reads (`tiers.staging.FetchStats`)."""
         labels = {**self._labels, "phase": "prefill" if prefill else "decode"}

@@ -28,7 +28,7 @@ from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
-from vericache_sglang.tiers import budget
+from vericache_sglang.tiers import budget, disk
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ def _from_cli_args(original, cls, args):
         # One readable line and exit status 2, like an argparse error, instead of a traceback.
         raise SystemExit(f"vericache: error: {e}") from None
     attach_config(server_args, config)
-    _default_device(server_args)
-    configure_spec(server_args)
+    _configure(server_args)
     if config.enable_vericache:
         logger.info("VeriCache enabled: %s", config.to_dict())
     return server_args
@@ -93,8 +92,7 @@ class _EngineServerArgs:
         config = VeriCacheConfig.build({name: kwargs.pop(name, None) for name in option_names()})
         server_args = self.server_args_class(**kwargs)
         attach_config(server_args, config)
-        _default_device(server_args)
-        configure_spec(server_args)
+        _configure(server_args)
         return server_args
 
 
@@ -113,6 +111,13 @@ def _default_device(server_args: Any) -> None:
     """With SGLang's CPU engine selected, an unset --device means cpu (SGLang would fail)."""
     if _cpu_engine() and server_args.device is None:
         server_args.device = "cpu"
+
+
+def _configure(server_args: Any) -> None:
+    """Set the SGLang arguments VeriCache's settings imply, before SGLang resolves them."""
+    _default_device(server_args)
+    configure_spec(server_args)
+    disk.configure(server_args)
 
 
 def register() -> None:

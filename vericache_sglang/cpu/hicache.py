@@ -3,8 +3,8 @@
 HiCache is plain SGLang's own host tier, the peer VeriCache is measured against. Two things
 stop it without CUDA, both reached by plugin hooks (nothing of SGLang's is edited):
 
-- its host pool registers its buffer with `cudaHostRegister`; with no device to pin for, the
-  buffer is allocated unpinned;
+- its host pool registers its buffer with `cudaHostRegister`, and makes pinned scratch pages
+  for storage reads; with no device to pin for, both are ordinary memory;
 - its MHA host pool imports the `sgl_kernel.kvcacheio` transfer ops only on CUDA/ROCm; on CPU
   they are bound to the torch implementations in `kvcacheio_shim` before the pool is built.
 """
@@ -35,7 +35,13 @@ def _bind_transfer_ops(pool, *args: Any, **kwargs: Any) -> None:
             setattr(module, name, op)
 
 
+def _record_unpinned(result: None, pool, *args: Any, **kwargs: Any) -> None:
+    """The pool's buffer was allocated unpinned; its scratch pages (storage reads) must be too."""
+    pool.pin_memory = False
+
+
 def register() -> None:
     """Register the hooks (the plugin calls this only when SGLang's CPU engine is selected)."""
     HookRegistry.register(ALLOC_TARGET, _unpinned, HookType.AROUND)
     HookRegistry.register(HOST_POOL_INIT, _bind_transfer_ops, HookType.BEFORE)
+    HookRegistry.register(HOST_POOL_INIT, _record_unpinned, HookType.AFTER)

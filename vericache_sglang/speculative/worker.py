@@ -62,6 +62,7 @@ from vericache_sglang.speculative.sampling import (
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
+from vericache_sglang.tiers.disk import DISK_FAULTS
 from vericache_sglang.tiers.staging import FetchStats, StagingArea
 
 logger = logging.getLogger(__name__)
@@ -255,6 +256,7 @@ class VeriCacheWorker(BaseSpecWorker):
             "decode_read_bytes_per_emitted_token": decode.bytes / emitted if emitted else 0.0,
             "decode_fetch_hidden_fraction": decode.hidden_fraction(),
             "totals": dict(vars(self.totals)),
+            "disk_faults": DISK_FAULTS.snapshot(),
         }
 
     @property
@@ -556,4 +558,5 @@ class VeriCacheWorker(BaseSpecWorker):
                                 pages_used=0 if self.pool is None else self.pool.used_pages,
                                 pages_compressed=compressed - self._pages_reported)
             self._pages_reported = compressed
+            self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
 

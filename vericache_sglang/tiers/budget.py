@@ -186,10 +186,11 @@ def fit_compressed_pool(original, configurator: Any, token_capacity: int) -> int
     config = get_config(server_args)
     if not config.enable_vericache or configurator.is_draft_worker:
         return tokens
-    if config.vericache_full_tier == "host" and str(configurator.device).startswith("cuda"):
+    if config.host_placement and str(configurator.device).startswith("cuda"):
         raise SystemExit(
-            "vericache: error: --vericache-full-tier host is built for CPU serving so far (the "
-            "pinned host pool and its copy stream are not): use --vericache-full-tier device")
+            f"vericache: error: --vericache-full-tier {config.vericache_full_tier} is built for "
+            "CPU serving so far (the pinned host pool and its copy stream are not): use "
+            "--vericache-full-tier device")
     try:
         plan = plan_device_budget(config, _geometry(configurator), tokens,
                                   server_args.max_running_requests, memory_tokens=token_capacity)
