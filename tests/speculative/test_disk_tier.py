@@ -93,6 +93,15 @@ def test_a_prefix_spilled_to_disk_reloads_with_identical_output(disk_server, dis
     assert cached["device"] == 0 and cached["host"] == 0 and cached["storage"] >= 999
 
 
+def test_a_context_larger_than_the_host_tier_is_refused_for_that_request(disk_server, tokenizer,
+                                                                         prompts, expected):
+    too_long = stdlib_ids(tokenizer, "typing", HOST_TOKENS + 500)
+    response = requests.post(f"{disk_server.url}/generate", json=_payload(too_long), timeout=300)
+    assert response.status_code == 400
+    assert "exceeds the maximum allowed length" in response.json()["error"]["message"]
+    assert _ask(disk_server, prompts[0])[0] == expected[0]
+
+
 def test_bad_page_files_recompute_from_the_bad_page(disk_server, disk_dir, prompts, expected):
     disk_server.flush_cache()  # the host tiers are emptied; the files stay
     before = _faults(disk_server)

@@ -5,6 +5,8 @@ back bytes other than the ones written."""
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,31 @@ def test_a_users_file_backend_under_vericache_gets_verified_pages_and_keeps_its_
     untouched = _server_args(enable_hierarchical_cache=True)
     disk.configure(untouched)
     assert untouched.hicache_storage_backend is None
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: room for a few pages (skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs privileges this machine does not give")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_refuses_pages_and_keeps_the_ones_it_has(full_disk):
+    storage = _storage(full_disk)
+    pages = [_page(30 + i) for i in range(12)]  # 12 x 45 KiB > 256 KiB
+    stored = [storage.set(f"{i:064x}", page) for i, page in enumerate(pages)]
+    assert stored[0] and not stored[-1]
+    assert _faults("write_error") >= 1
+    for i, (page, ok) in enumerate(zip(pages, stored, strict=True)):
+        target = torch.empty(PAGE)
+        if ok:
+            assert torch.equal(storage.get(f"{i:064x}", target), page)
+        else:
+            assert not storage.exists(f"{i:064x}")
