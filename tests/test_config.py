@@ -74,6 +74,8 @@ def test_size_parsing_for_budgets():
     ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
     ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
     ({"vericache_disk_dir": "/srv/kv"}, "--vericache-disk-dir places the disk tier"),
+    ({"vericache_draft_length": 10000, "vericache_max_draft_length": 10000},
+     "--vericache-max-draft-length must be at most 256"),
     ({"vericache_full_tier": "device", "vericache_full_tier_budget": "4GiB"},
      "--vericache-full-tier-budget sizes the host placement"),
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},

@@ -15,6 +15,10 @@ from typing import Any
 
 FULL_TIER_PLACEMENTS = ("device", "host", "disk")
 
+MAX_DRAFT_LENGTH = 256
+"""The longest draft a round may make. A round verifies up to this + 1 tokens per request, and
+SGLang reserves twice that many KV slots ahead of every running request for each step."""
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -137,6 +141,11 @@ class VeriCacheConfig:
                 f"{self.vericache_min_draft_length} <= {self.vericache_draft_length} <= "
                 f"{self.vericache_max_draft_length}"
             )
+        if self.vericache_max_draft_length > MAX_DRAFT_LENGTH:
+            raise VeriCacheConfigError(
+                f"--vericache-max-draft-length must be at most {MAX_DRAFT_LENGTH} (a round "
+                "verifies that many + 1 tokens per request, and SGLang reserves twice as many "
+                f"KV slots ahead of every running request), got {self.vericache_max_draft_length}")
         if self.vericache_full_tier not in FULL_TIER_PLACEMENTS:
             raise VeriCacheConfigError(
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "

@@ -15,6 +15,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from vericache_sglang import startup
 from vericache_sglang.config import (
     VeriCacheConfig,
     VeriCacheConfigError,
@@ -45,8 +46,8 @@ def _from_cli_args(original, cls, args):
     try:
         config = VeriCacheConfig.build({name: getattr(args, name, None) for name in option_names()})
     except VeriCacheConfigError as e:
-        # One readable line and exit status 2, like an argparse error, instead of a traceback.
-        raise SystemExit(f"vericache: error: {e}") from None
+        # One readable line and exit status 1 instead of a traceback.
+        raise startup.error(str(e)) from None
     attach_config(server_args, config)
     _configure(server_args)
     if config.enable_vericache:
@@ -123,6 +124,7 @@ def _configure(server_args: Any) -> None:
 def register() -> None:
     """Plugin entry point: register VeriCache's hooks with SGLang."""
     install_cpu_support()
+    startup.register()
     if _cpu_engine():
         cpu_hicache.register()
     register_spec()

@@ -15,6 +15,7 @@ from typing import Any
 
 from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorithm
 
+from vericache_sglang import startup
 from vericache_sglang.config import get_config
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,48 @@ def configure(server_args: Any) -> None:
     if not config.enable_vericache:
         return
     if server_args.speculative_algorithm not in (None, ALGORITHM):
-        raise SystemExit(
-            "vericache: error: --enable-vericache replaces speculative decoding; do not also "
+        raise startup.error(
+            "--enable-vericache replaces speculative decoding; do not also "
             f"pass --speculative-algorithm {server_args.speculative_algorithm}"
         )
+    if server_args.speculative_algorithm == ALGORITHM:
+        return  # configured already
+    _refuse_what_vericache_sets(server_args)
     longest = config.vericache_max_draft_length
+    if server_args.context_length is not None and longest + 1 >= server_args.context_length:
+        raise startup.error(
+            f"--vericache-max-draft-length {longest} leaves no room in --context-length "
+            f"{server_args.context_length}: a round needs that many + 1 positions")
     server_args.speculative_algorithm = ALGORITHM
     server_args.speculative_num_draft_tokens = longest + 1
     server_args.speculative_num_steps = longest
     server_args.speculative_eagle_topk = 1
     server_args.disable_overlap_schedule = True
-    server_args.enable_mixed_chunk = False
+
+
+SET_BY_VERICACHE = {
+    "speculative_num_draft_tokens": "the draft length comes from --vericache-draft-length and "
+    "its bounds",
+    "speculative_num_steps": "the draft length comes from --vericache-draft-length and its bounds",
+    "speculative_eagle_topk": "VeriCache drafts one chain per request",
+    "enable_mixed_chunk": "VeriCache runs prefill and decode in separate batches",
+}
+"""SGLang arguments `configure` sets, with why a user's value could not be honoured."""
+
+QUANTIZED_KV_DTYPES = ("fp8", "mxfp8", "nvfp4", "fp4")
+
+
+def _refuse_what_vericache_sets(server_args: Any) -> None:
+    """One line for a user's value VeriCache would otherwise override without a word."""
+    for name, why in SET_BY_VERICACHE.items():
+        if getattr(server_args, name) not in (None, False):
+            flag = "--" + name.replace("_", "-")
+            raise startup.error(f"{flag} cannot be combined with --enable-vericache: {why}")
+    if str(server_args.kv_cache_dtype).startswith(QUANTIZED_KV_DTYPES):
+        raise startup.error(
+            f"--kv-cache-dtype {server_args.kv_cache_dtype} with --enable-vericache is not "
+            "supported yet: the full KV verification reads is the model's own precision "
+            "(use --kv-cache-dtype auto; the compressed tier is VeriCache's quantized form)")
+    if not server_args.disable_overlap_schedule:
+        logger.info("VeriCache runs without SGLang's overlap scheduler: a round starts from the "
+                    "tokens the previous round verified")

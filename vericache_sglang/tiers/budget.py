@@ -22,6 +22,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vericache_sglang import startup
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, get_config
 from vericache_sglang.tiers.compressed_pool import (
@@ -187,15 +188,15 @@ def fit_compressed_pool(original, configurator: Any, token_capacity: int) -> int
     if not config.enable_vericache or configurator.is_draft_worker:
         return tokens
     if config.host_placement and str(configurator.device).startswith("cuda"):
-        raise SystemExit(
-            f"vericache: error: --vericache-full-tier {config.vericache_full_tier} is built for "
+        raise startup.scheduler_error(
+            f"--vericache-full-tier {config.vericache_full_tier} is built for "
             "CPU serving so far (the pinned host pool and its copy stream are not): use "
             "--vericache-full-tier device")
     try:
         plan = plan_device_budget(config, _geometry(configurator), tokens,
                                   server_args.max_running_requests, memory_tokens=token_capacity)
     except VeriCacheConfigError as e:
-        raise SystemExit(f"vericache: error: {e}") from None
+        raise startup.scheduler_error(str(e)) from None
     setattr(server_args, PLAN_ATTR, plan)
     logger.info("VeriCache device budget (%s placement): %d tokens of full KV (%d B) hold %s",
                 plan.placement, tokens, plan.device_budget_bytes, _describe(plan))

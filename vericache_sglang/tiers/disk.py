@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
+from vericache_sglang import startup
 from vericache_sglang.config import get_config
 
 logger = logging.getLogger(__name__)
@@ -173,10 +174,14 @@ def configure(server_args: Any) -> None:
     config = get_config(server_args)
     if not config.enable_vericache:
         return
+    if server_args.enable_hierarchical_cache and config.vericache_full_tier != "disk":
+        logger.info("VeriCache runs with SGLang's hierarchical cache: its host pool (and "
+                    "storage, if given) sits below the full KV pool, and prefixes it reloads "
+                    "get their compressed pages rebuilt the first round that drafts over them")
     if config.vericache_full_tier == "disk":
         if server_args.hicache_storage_backend not in (None, "file"):
-            raise SystemExit(
-                "vericache: error: --vericache-full-tier disk stores pages in files; do not "
+            raise startup.error(
+                "--vericache-full-tier disk stores pages in files; do not "
                 f"also pass --hicache-storage-backend {server_args.hicache_storage_backend}")
         # SGLang's host pool below ours is only a staging buffer between it and the files.
         server_args.enable_hierarchical_cache = True
@@ -197,13 +202,12 @@ def _extra_config(raw: str | None) -> dict[str, Any]:
     if not raw:
         return {}
     if raw.startswith("@"):
-        raise SystemExit("vericache: error: give the disk tier's "
-                         "--hicache-storage-backend-extra-config as inline JSON")
+        raise startup.error("give the disk tier's --hicache-storage-backend-extra-config as "
+                            "inline JSON")
     try:
         extra = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"vericache: error: --hicache-storage-backend-extra-config: {e}") from None
+        raise startup.error(f"--hicache-storage-backend-extra-config: {e}") from None
     if not isinstance(extra, dict):
-        raise SystemExit("vericache: error: --hicache-storage-backend-extra-config must be a "
-                         "JSON object")
+        raise startup.error("--hicache-storage-backend-extra-config must be a JSON object")
     return extra
