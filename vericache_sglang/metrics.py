@@ -102,15 +102,16 @@ class VeriCacheMetrics:
         self.fetch_seconds.labels(**labels).inc(stats.copy_s)
         self.fetch_wait_seconds.labels(**labels).inc(stats.wait_s)
 
-    def record(self, counts: RoundCounts, held_bytes: int, pages_used: int,
-               pages_compressed: int) -> None:
-        """Add one scheduler step's counts and pages compressed; set the compressed KV's current
-        size and pool pages in use."""
+    def record(self, counts: RoundCounts, pages_compressed: int) -> None:
+        """Add one scheduler step's counts and pages compressed."""
         self.verify_rounds.inc(counts.verify_rounds)
         self.drafted_tokens.inc(counts.drafted_tokens)
         self.accepted_drafts.inc(counts.accepted_drafts)
         self.emitted_tokens.inc(counts.emitted_tokens)
         self.plain_decode_steps.inc(counts.plain_decode_steps)
         self.compressed_pages.inc(pages_compressed)
+
+    def set_sizes(self, held_bytes: int, pages_used: int) -> None:
+        """Set the compressed KV's current size and the pool pages in use."""
         self.compressed_pool_pages.set(pages_used)
         self.compressed_tier_bytes.set(held_bytes)

@@ -78,6 +78,26 @@ def test_streaming(vericache_server, plain, prompt_ids):
     assert READ_BYTES_KEY not in chunks[-1]["meta_info"]
 
 
+def _most_running_while_streaming(server: ServerProcess, request: dict) -> float:
+    """The highest sglang:num_running_reqs /metrics shows while a streamed request runs."""
+    seen = 0.0
+    with requests.post(f"{server.url}/generate", json={**request, "stream": True},
+                       stream=True, timeout=600) as response:
+        for _ in response.iter_lines():
+            text = requests.get(f"{server.url}/metrics", timeout=60).text
+            seen = max([seen, *(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                if line.startswith("sglang:num_running_reqs{"))])
+    return seen
+
+
+def test_sglang_gauges_see_the_running_request(vericache_server, plain_server, prompt_ids):
+    """SGLang's gauges read as they do for plain SGLang: a load balancer polling
+    sglang:num_running_reqs while a request decodes sees it on both servers."""
+    request = payload(prompt_ids["csv_700"], "code", max_new_tokens=160)
+    assert _most_running_while_streaming(plain_server, request) == 1
+    assert _most_running_while_streaming(vericache_server, request) == 1
+
+
 @pytest.mark.parametrize("constraint", [
     {"json_schema": json.dumps({
         "type": "object",
@@ -160,11 +180,15 @@ def test_penalized_requests_take_plain_decode_steps(vericache_server, demo_model
 
 
 def test_flush_cache_between_requests(vericache_server, plain, prompt_ids):
-    """/flush_cache drops the radix cache (and with it every compressed block); the same
-    request afterwards is answered identically."""
+    """/flush_cache drops the radix cache (and with it every compressed block, which the size
+    gauges show at once); the same request afterwards is answered identically."""
     request = payload(prompt_ids["textwrap_2000"][:600], "code", max_new_tokens=32)
     first = vericache_server.generate(request)
+    assert _vericache_metrics(vericache_server)["vericache:compressed_pool_pages"] > 0
     vericache_server.flush_cache()
+    idle = _vericache_metrics(vericache_server)
+    assert idle["vericache:compressed_pool_pages"] == 0
+    assert idle["vericache:compressed_tier_bytes"] == 0
     second = vericache_server.generate(request)
     assert first["output_ids"] == second["output_ids"] == plain(request)["output_ids"]
     assert second["meta_info"]["cached_tokens"] == 0

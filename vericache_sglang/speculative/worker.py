@@ -268,6 +268,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self.tier = CompressedTier(self.compressor)
             self.draft_backend.tier = self.tier
         self._owners.clear()
+        self._publish_sizes()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
         """Release a finished request's compressed blocks and policy state."""
@@ -275,6 +276,7 @@ class VeriCacheWorker(BaseSpecWorker):
         for slot in [s for s, owner in self._owners.items() if owner == rid]:
             self._release(slot)
         self.policy.forget(rid)
+        self._publish_sizes()
         logger.debug("VeriCache totals after %s: %s", rid, self.totals)
 
     def forward_batch_generation(self, batch, on_publish=None, pp_proxy_tensors=None,
@@ -554,9 +556,15 @@ class VeriCacheWorker(BaseSpecWorker):
         self.totals.add(counts)
         if self.metrics is not None:
             compressed = 0 if self.pool is None else self.pool.compressed_pages
-            self.metrics.record(counts, self.held_bytes(),
-                                pages_used=0 if self.pool is None else self.pool.used_pages,
-                                pages_compressed=compressed - self._pages_reported)
+            self.metrics.record(counts, pages_compressed=compressed - self._pages_reported)
             self._pages_reported = compressed
             self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
+        self._publish_sizes()
+
+    def _publish_sizes(self) -> None:
+        """Set the size gauges to what is held now: after a step, when a request's blocks are
+        released, and after a flush emptied the pool (no step follows to update them)."""
+        if self.metrics is not None:
+            self.metrics.set_sizes(self.held_bytes(),
+                                   pages_used=0 if self.pool is None else self.pool.used_pages)
 
