@@ -54,5 +54,5 @@ else
     log "dependencies up to date ($VENV)"
 fi
 
-model=$("$VENV/bin/python" -m vericache_sglang.models prepare | head -1)
+model=$("$VENV/bin/python" -m vericache_sglang.models prepare | sed -n 1p)
 log "demo model ready: $model"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorithm
 
 from vericache_sglang import startup
@@ -61,12 +62,37 @@ def _registered() -> bool:
     return True
 
 
+ROW_HEADROOM_TARGET = ("sglang.srt.mem_cache.allocation_sizing."
+                       "get_req_to_token_extra_context_len")
+"""How far past the context length a request's row of slot indices reaches."""
+
+
+def _row_holds_the_decode_reserve(original) -> int:
+    """AROUND `ROW_HEADROOM_TARGET`: every decode step SGLang reserves twice the verify width
+    of KV slots past a request's committed length and writes them into its row. The row reaches
+    only one verify width + 4 past the context length (SGLang widens it to the reserve for its
+    own UNO algorithm only), so a request within a verify width of the context length overran
+    its row and the step crashed. Widen it for VERICACHE too."""
+    from sglang.srt.mem_cache.allocation_sizing import (
+        get_alloc_page_size,
+        get_alloc_reserve_per_decode,
+    )
+    from sglang.srt.runtime_context import get_spec
+
+    extra = original()
+    if get_spec().speculative_algorithm == ALGORITHM:
+        extra = max(extra, get_alloc_reserve_per_decode() + get_alloc_page_size() - 1)
+    return extra
+
+
 def register() -> None:
-    """Register VERICACHE with SGLang (idempotent)."""
+    """Register VERICACHE with SGLang (idempotent), and widen its requests' slot rows."""
     if not _registered():
         SpeculativeAlgorithm.register(
             ALGORITHM, supports_overlap=False, spec_class=VeriCacheSpecAlgo
         )(_worker_class)
+        HookRegistry.register(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve,
+                              HookType.AROUND)
 
 
 def configure(server_args: Any) -> None:

@@ -1,0 +1,62 @@
+"""Requests that end at the context length: SGLang reserves twice the verify width of KV slots
+past each request's committed length at every decode step, and writes them into the request's
+row of slot indices; near the context length that reservation used to overrun the row and
+crash the server (issue 12). Plain SGLang answers these requests, and so must VeriCache, with
+the same tokens, at more than one longest draft (the reservation's width) and compressor.
+
+Plain SGLang with the same --context-length 1024 is the reference (at the boundary SGLang
+itself stops a request a few tokens short of the context, so the settings must match); it is
+asked first and stopped, then one VeriCache server per configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SERVER_ARGS
+from tests.speculative.identity import payload
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+CONTEXT = 1024
+CONFIGS = {
+    "kivi4, drafts up to 64": ["--vericache-compressor", "kivi:bits=4"],
+    "snapkv, drafts up to 16": ["--vericache-compressor", "snapkv:ratio=0.5",
+                                "--vericache-draft-length", "8",
+                                "--vericache-max-draft-length", "16"],
+}
+# (prompt tokens, new tokens): each ends exactly at the context length, from inside the
+# reservation's reach of the row end for both longest drafts (the last 62 and 14 positions).
+REQUESTS = [(CONTEXT - 40, 40), (CONTEXT - 12, 12), (CONTEXT - 100, 100)]
+
+
+def _request(tokenizer, prompt_tokens: int, new_tokens: int) -> dict:
+    ids = stdlib_ids(tokenizer, "argparse", prompt_tokens, start=300)
+    return payload(ids, "code", max_new_tokens=new_tokens)
+
+
+@pytest.fixture(scope="module")
+def plain_answers(demo_model: Path, tokenizer) -> list[list[int]]:
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--context-length", str(CONTEXT)],
+                       max_total_tokens=8192) as server:
+        return [server.generate(_request(tokenizer, *r))["output_ids"] for r in REQUESTS]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def boundary_server(request, demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
+                                    "--context-length", str(CONTEXT), *CONFIGS[request.param]],
+                       max_total_tokens=8192) as server:
+        yield server
+
+
+def test_requests_ending_at_the_context_length(plain_answers, boundary_server, tokenizer):
+    for (prompt_tokens, new_tokens), expected in zip(REQUESTS, plain_answers, strict=True):
+        got = boundary_server.generate(_request(tokenizer, prompt_tokens, new_tokens))
+        assert got["output_ids"] == expected, prompt_tokens
+    assert boundary_server.proc.poll() is None  # still serving
