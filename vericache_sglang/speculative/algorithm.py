@@ -118,7 +118,16 @@ def configure(server_args: Any) -> None:
     server_args.speculative_num_steps = longest
     server_args.speculative_eagle_topk = 1
     server_args.disable_overlap_schedule = True
+    if server_args.decode_log_interval == DEFAULT_DECODE_LOG_INTERVAL:
+        # SGLang takes decode stats (its log line and gauges such as sglang:num_running_reqs)
+        # every that many decode forwards, counted from the last /flush_cache. A VeriCache
+        # forward emits a round of ~20 tokens, so at 40 a request could run and finish with
+        # the gauges never set; every forward is about as often, in tokens, as plain's 40.
+        server_args.decode_log_interval = 1
 
+
+DEFAULT_DECODE_LOG_INTERVAL = 40
+"""SGLang's default --decode-log-interval."""
 
 SET_BY_VERICACHE = {
     "speculative_num_draft_tokens": "the draft length comes from --vericache-draft-length and "
