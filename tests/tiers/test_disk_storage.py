@@ -4,15 +4,19 @@ back bytes other than the ones written."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+from vericache_sglang.config import VeriCacheConfig, attach_config
+from vericache_sglang.tiers import disk
 from vericache_sglang.tiers.disk import DIGEST_BYTES, DISK_FAULTS, VerifiedFileStorage
 
 PAGE = 2 * 30 * 3 * 64  # one token of the demo model's K and V, every layer
@@ -110,11 +114,7 @@ def test_a_write_that_fails_is_counted_and_nothing_is_read_back(storage):
     assert storage.get("9" * 64, torch.empty(PAGE)) is None
 
 
-def _server_args(**values):
-    from types import SimpleNamespace
-
-    from vericache_sglang.config import VeriCacheConfig, attach_config
-
+def _server_args(**values) -> SimpleNamespace:
     args = SimpleNamespace(enable_hierarchical_cache=False, hicache_host_memory_mode="cache",
                            hicache_storage_backend=None, hicache_storage_backend_extra_config=None)
     for name in list(values):
@@ -125,10 +125,6 @@ def _server_args(**values):
 
 
 def test_the_disk_placement_turns_on_sglangs_storage_layer_with_verified_files():
-    import json
-
-    from vericache_sglang.tiers import disk
-
     args = _server_args(vericache_full_tier="disk", vericache_disk_dir="/srv/kv")
     disk.configure(args)
     assert args.enable_hierarchical_cache and args.hicache_host_memory_mode == "buffer_only"
@@ -139,10 +135,6 @@ def test_the_disk_placement_turns_on_sglangs_storage_layer_with_verified_files()
 
 
 def test_a_users_file_backend_under_vericache_gets_verified_pages_and_keeps_its_settings():
-    import json
-
-    from vericache_sglang.tiers import disk
-
     args = _server_args(enable_hierarchical_cache=True, hicache_storage_backend="file",
                         hicache_storage_backend_extra_config='{"file_storage_path": "/kv"}')
     disk.configure(args)
