@@ -50,7 +50,8 @@ class VeriCacheMetrics:
             "accepted_drafts", "Drafted tokens the full-KV verification accepted.")
         self.emitted_tokens = counter(
             "emitted_tokens", "Tokens verification rounds accepted: accepted drafts plus one "
-            "token of the full model per round (before stop strings cut a run short).")
+            "token of the full model per round, up to where a stop string, stop token or "
+            "grammar ended the request.")
         self.plain_decode_steps = counter(
             "plain_decode_steps", "Per-request decode steps served without drafting "
             "(requests with returned logprobs, penalties, logit bias, ...).")

@@ -219,3 +219,30 @@ def test_metrics_count_what_meta_info_reports(vericache_server, prompt_ids):
     assert delta["vericache:accepted_drafts_total"] == accepted
     assert delta["vericache:emitted_tokens_total"] == len(out["output_ids"]) - 1
     assert after["vericache:compressed_tier_bytes"] > 0
+
+
+@pytest.mark.parametrize("ending", [
+    {"stop": ["progress"]},
+    {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
+], ids=["stop_string", "grammar"])
+def test_counters_stop_where_the_output_stops(vericache_server, plain, prompt_ids, tokenizer,
+                                              ending):
+    """A stop string or a grammar that ends a request inside a verified run: meta_info and
+    /metrics count only the tokens the client gets (a round's drafts past the end were once
+    counted as accepted and emitted). Every round but the last emits its accepted drafts plus
+    one token of the full model; the last may end among its drafts."""
+    ids = (prompt_ids["heapq_400"] if "stop" in ending else
+           chat("Write a Python function that merges two sorted lists, with a docstring.",
+                "heapq", 0, 400)(tokenizer))
+    request = payload(ids, "code" if "stop" in ending else "chat", max_new_tokens=96, **ending)
+    before = _vericache_metrics(vericache_server)
+    out = vericache_server.generate(request)
+    after = _vericache_metrics(vericache_server)
+    assert out["output_ids"] == plain(request)["output_ids"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    rounds, _, accepted = stats(out)
+    generated = out["meta_info"]["completion_tokens"] - 1  # the first token comes from prefill
+    assert delta["vericache:emitted_tokens_total"] == generated
+    assert delta["vericache:accepted_drafts_total"] == accepted
+    assert generated - rounds <= accepted <= generated - rounds + 1

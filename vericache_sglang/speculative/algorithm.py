@@ -18,6 +18,7 @@ from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorith
 
 from vericache_sglang import startup
 from vericache_sglang.config import get_config
+from vericache_sglang.speculative import settle
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def register() -> None:
         )(_worker_class)
         HookRegistry.register(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve,
                               HookType.AROUND)
+        settle.register()
 
 
 def configure(server_args: Any) -> None:

@@ -141,6 +141,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # and as Prometheus counters with --enable-metrics.
         self.totals = RoundCounts()
         self._pages_reported = 0  # pool pages compressed that /metrics already counts
+        self._settling = False  # the last step was a verified round, its runs not yet counted
         self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
                         if server_args.enable_metrics else None)
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d)",
@@ -534,7 +535,7 @@ class VeriCacheWorker(BaseSpecWorker):
                 new_seq_lens: torch.Tensor, bonus: torch.Tensor, *, width: int,
                 drafted: int, verified: bool) -> GenerationBatchResult:
         bs = accept_lens.shape[0]
-        self._count(bs, drafted, int(accept_lens.sum()), verified)
+        self._count(bs, drafted, verified)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=output_ids,
@@ -549,17 +550,30 @@ class VeriCacheWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
         )
 
-    def _count(self, bs: int, drafted: int, emitted: int, verified: bool) -> None:
-        counts = (RoundCounts(verify_rounds=bs, drafted_tokens=drafted * bs,
-                              accepted_drafts=emitted - bs, emitted_tokens=emitted)
-                  if verified else RoundCounts(plain_decode_steps=bs))
+    def _count(self, bs: int, drafted: int, verified: bool) -> None:
+        """Count the step's rounds and drafts; its emitted tokens are counted as the scheduler
+        settles them (`settle_round`)."""
+        self._settling = verified
+        counts = (RoundCounts(verify_rounds=bs, drafted_tokens=drafted * bs) if verified
+                  else RoundCounts(plain_decode_steps=bs))
+        self._add(counts)
+        if self.metrics is not None:
+            self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
+        self._publish_sizes()
+
+    def settle_round(self, *, emitted: int, accepted: int) -> None:
+        """Count the tokens a request kept of the last verified round: the scheduler calls
+        this once it knows whether a stop string, stop token or grammar ended the request
+        inside the run (`settle.py`)."""
+        if self._settling:
+            self._add(RoundCounts(accepted_drafts=accepted, emitted_tokens=emitted))
+
+    def _add(self, counts: RoundCounts) -> None:
         self.totals.add(counts)
         if self.metrics is not None:
             compressed = 0 if self.pool is None else self.pool.compressed_pages
             self.metrics.record(counts, pages_compressed=compressed - self._pages_reported)
             self._pages_reported = compressed
-            self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
-        self._publish_sizes()
 
     def _publish_sizes(self) -> None:
         """Set the size gauges to what is held now: after a step, when a request's blocks are
