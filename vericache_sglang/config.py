@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FULL_TIER_PLACEMENTS = ("device", "host", "disk")
+DRAFTERS = ("none", "ngram")
+
+MAX_DRAFTER_LENGTH = 32
+"""The most tokens a level-2 drafter may propose per check: one check forward over the
+compressed tier runs that many + 1 tokens per request."""
 
 MAX_DRAFT_LENGTH = 256
 """The longest draft a round may make. A round verifies up to this + 1 tokens per request, and
@@ -86,6 +91,28 @@ class VeriCacheConfig:
         default=64,
         metadata={"help": "Upper bound of the adaptive draft length."},
     )
+    vericache_drafter: str = field(
+        default="none",
+        metadata={
+            "help": "A cheaper drafter under the compressed-KV one (level 2). 'ngram': SGLang's "
+            "n-gram corpus proposes continuations seen earlier in the request (its prompt "
+            "included) or in other requests; the model over the compressed tier checks each "
+            "proposal in one forward and keeps what it agrees with, and the full KV verifies "
+            "as always. Suits code, agent traces and long documents, which repeat their "
+            "context. Applies to greedy requests without a grammar; the others draft one token "
+            "per forward. 'none': one token per drafting forward.",
+            "choices": DRAFTERS,
+        },
+    )
+    vericache_drafter_min_length: int = field(
+        default=1,
+        metadata={"help": "Lower bound of the level-2 drafter's adaptive proposal length."},
+    )
+    vericache_drafter_max_length: int = field(
+        default=8,
+        metadata={"help": "Upper bound (and initial value) of the level-2 drafter's adaptive "
+                  f"proposal length, at most {MAX_DRAFTER_LENGTH}."},
+    )
     vericache_full_tier: str = field(
         default="host",
         metadata={
@@ -146,6 +173,21 @@ class VeriCacheConfig:
                 f"--vericache-max-draft-length must be at most {MAX_DRAFT_LENGTH} (a round "
                 "verifies that many + 1 tokens per request, and SGLang reserves twice as many "
                 f"KV slots ahead of every running request), got {self.vericache_max_draft_length}")
+        if self.vericache_drafter not in DRAFTERS:
+            raise VeriCacheConfigError(
+                f"--vericache-drafter must be one of {', '.join(DRAFTERS)}, "
+                f"got {self.vericache_drafter!r}")
+        low, high = self.vericache_drafter_min_length, self.vericache_drafter_max_length
+        if not 1 <= low <= high <= MAX_DRAFTER_LENGTH:
+            raise VeriCacheConfigError(
+                "drafter lengths must satisfy 1 <= --vericache-drafter-min-length <= "
+                f"--vericache-drafter-max-length <= {MAX_DRAFTER_LENGTH}, got {low} and {high}")
+        defaults = (type(self).vericache_drafter_min_length,
+                    type(self).vericache_drafter_max_length)
+        if self.vericache_drafter == "none" and (low, high) != defaults:
+            raise VeriCacheConfigError(
+                "--vericache-drafter-min-length and --vericache-drafter-max-length bound a "
+                "level-2 drafter; they do nothing with --vericache-drafter none")
         if self.vericache_full_tier not in FULL_TIER_PLACEMENTS:
             raise VeriCacheConfigError(
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "

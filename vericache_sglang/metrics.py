@@ -22,6 +22,9 @@ class RoundCounts:
     accepted_drafts: int = 0
     emitted_tokens: int = 0
     plain_decode_steps: int = 0
+    draft_forwards: int = 0
+    drafter_proposed: int = 0
+    drafter_kept: int = 0
 
     def add(self, other: RoundCounts) -> None:
         """Accumulate another step's counts into these."""
@@ -55,6 +58,13 @@ class VeriCacheMetrics:
         self.plain_decode_steps = counter(
             "plain_decode_steps", "Per-request decode steps served without drafting "
             "(requests with returned logprobs, penalties, logit bias, ...).")
+        self.draft_forwards = counter(
+            "draft_forwards", "Level-1 drafting forwards (the target over the compressed "
+            "tier), counted once per request in each.")
+        self.drafter_proposed = counter(
+            "drafter_proposed", "Tokens the level-2 drafter (--vericache-drafter) proposed.")
+        self.drafter_kept = counter(
+            "drafter_kept", "Level-2 proposals the level-1 check kept as drafts.")
         self.compressed_pages = counter(
             "compressed_pages", "Pages of the compressed pool quantized (one per key group of "
             "every layer): a prefix shared along the radix tree counts once.")
@@ -110,6 +120,9 @@ class VeriCacheMetrics:
         self.accepted_drafts.inc(counts.accepted_drafts)
         self.emitted_tokens.inc(counts.emitted_tokens)
         self.plain_decode_steps.inc(counts.plain_decode_steps)
+        self.draft_forwards.inc(counts.draft_forwards)
+        self.drafter_proposed.inc(counts.drafter_proposed)
+        self.drafter_kept.inc(counts.drafter_kept)
         self.compressed_pages.inc(pages_compressed)
 
     def set_sizes(self, held_bytes: int, pages_used: int) -> None:

@@ -78,11 +78,11 @@ def stats(out: dict) -> tuple[int, int, int]:
 
 
 def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, list[int]],
-                           label: str) -> None:
+                           label: str) -> list[dict]:
     """The prompts in flight together on `server` and on plain SGLang: batched drafting
     and verification over requests with different committed lengths, joining and leaving the
     batch (chats end at their own EOS). Same tokens, same finish reasons; drafting happened
-    and some drafts were rejected, so the rejection path ran too."""
+    and some drafts were rejected, so the rejection path ran too. Returns the responses."""
     payloads = [payload(ids, name) for name, ids in prompt_ids.items()]
     expected = plain.all(payloads)
     got = send_all(server, payloads)
@@ -99,3 +99,4 @@ def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, l
     rounds, drafted, accepted = (sum(column) for column in zip(*map(stats, got), strict=True))
     assert rounds < sum(len(out["output_ids"]) for out in got) / 2
     assert accepted < drafted
+    return got

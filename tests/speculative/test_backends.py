@@ -84,6 +84,40 @@ def test_draft_reads_the_tier_prefix_and_an_exact_tail_and_writes_nothing():
     assert torch.equal(p.pool.v_buffer[0], pool_before[1])
 
 
+@pytest.mark.parametrize("spec", ["kivi:bits=2,group=32,residual=32", "snapkv:ratio=0.5"])
+def test_one_forward_over_several_steps_equals_one_step_at_a_time(spec):
+    """A level-1 check forward (several tokens of a request in one forward, each attending to
+    the round's tokens up to its own step) computes what one-token draft steps compute."""
+    p = Pools(spec)
+    steps = 4
+    one_at_a_time = DraftAttnBackend(p.runner, p.tier)
+    one_at_a_time.begin_round([SLOT], [PREFIX], steps)
+    expected = []
+    for step in range(steps):
+        t = PREFIX + step
+        one_at_a_time.set_step(step)
+        fb = p.batch(ForwardMode.DECODE, t + 1, p.rows[t : t + 1])
+        expected.append(one_at_a_time.forward_decode(
+            p.queries[t].reshape(1, -1), p.keys[t : t + 1], p.values[t : t + 1], p.layer, fb))
+    one_at_a_time.end_round()
+    together = DraftAttnBackend(p.runner, p.tier)
+    together.begin_round([SLOT], [PREFIX], steps)
+    # Step 0 alone, then steps 1..3 in one forward (rows of the same request).
+    together.set_step(0)
+    first = together.forward_decode(p.queries[PREFIX].reshape(1, -1), p.keys[PREFIX : PREFIX + 1],
+                                    p.values[PREFIX : PREFIX + 1], p.layer,
+                                    p.batch(ForwardMode.DECODE, PREFIX + 1,
+                                            p.rows[PREFIX : PREFIX + 1]))
+    together.set_rows([0, 0, 0], [1, 2, 3])
+    span = slice(PREFIX + 1, PREFIX + steps)
+    rows = p.batch(ForwardMode.DECODE, PREFIX + steps, p.rows[span])
+    rows.req_pool_indices = torch.tensor([SLOT] * 3)  # one row per token, as the worker sends
+    rest = together.forward_decode(p.queries[span].reshape(3, -1), p.keys[span], p.values[span],
+                                   p.layer, rows)
+    torch.testing.assert_close(torch.cat([first, rest]), torch.cat(expected), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_draft_step_outside_the_round_is_refused():
     backend = DraftAttnBackend(Pools().runner, CompressedTier(parse_compressor_spec("kivi:bits=4")))
     backend.begin_round([SLOT], [PREFIX], 2)

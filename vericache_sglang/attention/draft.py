@@ -34,9 +34,12 @@ class DraftAttnBackend(CompressedTierAttnBackend):
     """Decode over each request's compressed committed prefix plus its exact draft tail.
 
     Before a round the worker calls `begin_round(req_slots, committed_lens, max_steps)`;
-    before draft step j it calls `set_step(j)`, and `end_round()` after the last step. Extend
-    (prefill) is inherited unchanged: full KV, plus the prompt observation scores
-    token-selecting compressors need.
+    before draft step j it calls `set_step(j)`, and `end_round()` after the last step. A forward
+    that checks several tokens of a request at once (a level-2 drafter's proposals) has one row
+    per (request, step) instead: `set_rows(requests, steps)`; each row attends causally to the
+    round's tokens up to its own step, written by this forward or earlier ones. Extend (prefill)
+    is inherited unchanged: full KV, plus the prompt observation scores token-selecting
+    compressors need.
     """
 
     def __init__(self, model_runner, tier: CompressedTier,
@@ -49,8 +52,12 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self.staging = staging
         self._window: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._committed: list[int] = []
-        self._step = 0
         self._max_steps = 0
+        # The rows of the next forward: request index (None: one row per request, in order)
+        # and step of each row.
+        self._row_requests: torch.Tensor | None = None
+        self._row_steps: torch.Tensor | None = None
+        self._last_step = 0
         self._tail_k: dict[int, torch.Tensor] = {}
         self._tail_v: dict[int, torch.Tensor] = {}
         # Pool reads of the round: page table [B, max pages], paged tokens [B], and the full-pool
@@ -68,26 +75,42 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self.end_round()
         self._committed = list(committed_lens)
         self._max_steps = max_steps
-        self._step = 0
+        if max_steps > 0:
+            self.set_step(0)
         if self.pool is not None:
             self._plan_pool_reads(req_slots)
 
     def set_step(self, step: int) -> None:
-        """The next decode forward drafts from the token at committed length + `step`."""
-        if not 0 <= step < self._max_steps:
-            raise ValueError(f"draft step {step} outside [0, {self._max_steps})")
-        self._step = step
+        """The next decode forward drafts from the token at committed length + `step`, one row
+        per request."""
+        self._set_rows(None, [step] * len(self._committed))
+
+    def set_rows(self, requests: list[int], steps: list[int]) -> None:
+        """The next decode forward has one row per entry: the token at committed length +
+        `steps[r]` of request `requests[r]` (an index into `begin_round`'s batch)."""
+        self._set_rows(torch.tensor(requests, dtype=torch.int64,
+                                    device=self.req_to_token_pool.req_to_token.device), steps)
+
+    def _set_rows(self, requests: torch.Tensor | None, steps: list[int]) -> None:
+        if not all(0 <= step < self._max_steps for step in steps):
+            raise ValueError(f"draft steps {steps} outside [0, {self._max_steps})")
+        self._row_requests = requests
+        self._row_steps = torch.tensor(steps, dtype=torch.int64,
+                                       device=self.req_to_token_pool.req_to_token.device)
+        self._last_step = max(steps)
 
     def end_round(self) -> None:
         """Drop the round's buffers: the drafts' K/V and the pool read plan."""
         self._tail_k.clear()
         self._tail_v.clear()
         self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
+        self._row_requests = self._row_steps = None
         self._window = []
 
     def round_buffer_bytes(self) -> int:
         """Bytes of the buffers that live for the current round (storages, measured)."""
         return storage_bytes([*self._tail_k.values(), *self._tail_v.values(), self._page_table,
+                              self._row_requests, self._row_steps,
                               self._paged_lens, self._exact_rows, self._exact_lens,
                               *(t for pair in self._window for t in pair)])
 
@@ -121,27 +144,36 @@ class DraftAttnBackend(CompressedTierAttnBackend):
             self.staging.record_direct(storage_bytes([t for pair in self._window for t in pair]),
                                        time.perf_counter() - began, [len(r) for r in exact])
 
+    def _rows_of(self, per_request: torch.Tensor) -> torch.Tensor:
+        """A per-request tensor's rows for the forward's rows."""
+        return per_request if self._row_requests is None else per_request[self._row_requests]
+
     def _tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record this step's K/V [bs, H, D] in the layer's scratch tail and return the tail."""
+        """Record the rows' K/V [rows, H, D] in the layer's scratch tail at their steps and
+        return each row's tail [rows, steps so far, H, D]."""
         lid = layer.layer_id
         if lid not in self._tail_k:
-            shape = (k.shape[0], self._max_steps, *k.shape[1:])
+            shape = (len(self._committed), self._max_steps, *k.shape[1:])
             self._tail_k[lid] = k.new_empty(shape)
             self._tail_v[lid] = v.new_empty(shape)
-        self._tail_k[lid][:, self._step] = k
-        self._tail_v[lid][:, self._step] = v
-        return self._tail_k[lid][:, : self._step + 1], self._tail_v[lid][:, : self._step + 1]
+        requests = (torch.arange(len(self._committed), device=k.device)
+                    if self._row_requests is None else self._row_requests)
+        self._tail_k[lid][requests, self._row_steps] = k
+        self._tail_v[lid][requests, self._row_steps] = v
+        hi = self._last_step + 1
+        return (self._rows_of(self._tail_k[lid][:, :hi]),
+                self._rows_of(self._tail_v[lid][:, :hi]))
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         del save_kv_cache  # drafting never writes the full KV pool
         heads, head_dim = layer.tp_k_head_num, layer.qk_head_dim
         q = q.reshape(-1, layer.tp_q_head_num, head_dim)
-        if q.shape[0] != len(self._committed):
-            raise RuntimeError("draft forward batch does not match begin_round()")
+        if q.shape[0] != len(self._row_steps):
+            raise RuntimeError("draft forward batch does not match set_step()/set_rows()")
         tail_k, tail_v = self._tail(
             layer, k.reshape(-1, heads, head_dim), v.reshape(-1, heads, layer.v_head_dim)
         )
-        steps = torch.full((q.shape[0],), self._step + 1, dtype=torch.int32, device=q.device)
+        steps = (self._row_steps + 1).to(torch.int32)
         tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling)
         if self.pool is not None:
             prefix = self._pool_attention(q, layer)
@@ -154,13 +186,15 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         """Attention over the pages of each request's old groups plus its exact part."""
         lid = layer.layer_id
         if self._window:
-            k_exact, v_exact = self._window[lid]
+            k_exact, v_exact = map(self._rows_of, self._window[lid])
         else:
-            k_exact = self.token_to_kv_pool.get_key_buffer(lid)[self._exact_rows]
-            v_exact = self.token_to_kv_pool.get_value_buffer(lid)[self._exact_rows]
-        paged = self.pool.layer(lid, self._page_table, self._paged_lens)
-        return kernels.decode_attention(q, paged, k_exact, v_exact, self._exact_lens,
-                                        layer.scaling)
+            rows = self._rows_of(self._exact_rows)
+            k_exact = self.token_to_kv_pool.get_key_buffer(lid)[rows]
+            v_exact = self.token_to_kv_pool.get_value_buffer(lid)[rows]
+        paged = self.pool.layer(lid, self._rows_of(self._page_table),
+                                self._rows_of(self._paged_lens))
+        return kernels.decode_attention(q, paged, k_exact, v_exact,
+                                        self._rows_of(self._exact_lens), layer.scaling)
 
     def _tier_attention(self, q: torch.Tensor, layer,
                         slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,9 +203,11 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
         outs, lses = [], []
-        for i, slot in enumerate(slots):
+        requests = (range(len(slots)) if self._row_requests is None
+                    else self._row_requests.tolist())
+        for i, (slot, request) in enumerate(zip(slots, requests, strict=True)):
             block = self.tier.block(
-                layer.layer_id, slot, req_to_token[slot, : self._committed[i]], k_buffer,
+                layer.layer_id, slot, req_to_token[slot, : self._committed[request]], k_buffer,
                 v_buffer, query=q[i], sm_scale=layer.scaling,
             )
             out, lse = block.attend_lse(q[i], layer.scaling)

@@ -14,7 +14,15 @@ READ_BYTES_KEY = "vericache_full_tier_read_bytes"
 """Full-KV bytes read from the host tier for the request: its prefix rows staged for its
 prefill, verification and plain decode forwards, and its drafting windows."""
 
-REQUEST_LEVEL_KEYS = frozenset({READ_BYTES_KEY})
+DRAFT_FORWARDS_KEY = "vericache_draft_forwards"
+"""Level-1 forwards (the target over the compressed tier) the request took part in."""
+DRAFTER_PROPOSED_KEY = "vericache_drafter_proposed"
+"""Tokens the level-2 drafter proposed for the request (with --vericache-drafter)."""
+DRAFTER_KEPT_KEY = "vericache_drafter_kept"
+"""Of those, the tokens level 1 kept as drafts."""
+
+REQUEST_LEVEL_KEYS = frozenset({READ_BYTES_KEY, DRAFT_FORWARDS_KEY, DRAFTER_PROPOSED_KEY,
+                                DRAFTER_KEPT_KEY})
 TARGET = ("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
           ".is_request_level_customized_info_key")
 

@@ -16,6 +16,14 @@ is not written yet):
    Sampled requests are verified by speculative rejection sampling instead (`sampling.py`):
    their emitted tokens follow exactly the distribution plain SGLang samples from.
 
+With a level-2 drafter (`--vericache-drafter`, `drafter.py`), step 1 makes the same k drafts
+with fewer forwards: the drafter proposes a few tokens, one forward of the target over the
+compressed tier checks [last draft, proposals] and keeps the proposals equal to its own greedy
+choices plus its own next token, until the draft has k tokens. Level 1's drafts are exactly
+those its one-token steps would make, so verification and output are unchanged; only the
+forwards differ. Greedy batches without a grammar stack the levels; others draft one token per
+forward.
+
 A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`).
 Batches with penalties, logit bias or returned logprobs fall back to one
 plain decode step (exactly SGLang's own decode), so those requests are served unchanged.
@@ -31,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from sglang.srt.environ import envs
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -49,9 +58,15 @@ from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.config import get_config
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
+from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.grammar import RoundGrammar
 from vericache_sglang.speculative.info import VeriCacheDraftInput, VeriCacheVerifyInput
-from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
+from vericache_sglang.speculative.meta_info import (
+    DRAFT_FORWARDS_KEY,
+    DRAFTER_KEPT_KEY,
+    DRAFTER_PROPOSED_KEY,
+    READ_BYTES_KEY,
+)
 from vericache_sglang.speculative.policy import DraftLengthPolicy
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
@@ -91,6 +106,11 @@ class _Round:
     """q of each draft step, for the requests that sample."""
     round_buffer_bytes: int = 0
     """Bytes of the drafting buffers at the round's last step."""
+    forwards: list[int] = field(default_factory=list)
+    """Level-1 (compressed-tier) forwards each request took part in."""
+    proposed: list[int] = field(default_factory=list)
+    """Tokens the level-2 drafter proposed for each request, and those level 1 kept."""
+    kept: list[int] = field(default_factory=list)
 
     def chain(self) -> torch.Tensor:
         """[bs, k + 1]: t0, d1..dk."""
@@ -116,6 +136,15 @@ class VeriCacheWorker(BaseSpecWorker):
             adaptive=config.vericache_min_draft_length < config.vericache_max_draft_length,
         )
         self.max_draft_length = config.vericache_max_draft_length
+        # Level 2: a cheaper proposer under the compressed-KV drafter, with its own lengths.
+        self.drafter = build_drafter(config.vericache_drafter,
+                                     config.vericache_drafter_max_length)
+        self.drafter_policy = DraftLengthPolicy(
+            initial=config.vericache_drafter_max_length,
+            minimum=config.vericache_drafter_min_length,
+            maximum=config.vericache_drafter_max_length,
+            adaptive=config.vericache_drafter_min_length < config.vericache_drafter_max_length,
+        )
         # Compatibility fields read by SGLang's speculative infrastructure.
         self.speculative_num_draft_tokens = self.max_draft_length + 1
         self.speculative_num_steps = self.max_draft_length
@@ -144,9 +173,9 @@ class VeriCacheWorker(BaseSpecWorker):
         self._settling = False  # the last step was a verified round, its runs not yet counted
         self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
                         if server_args.enable_metrics else None)
-        logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d)",
+        logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d), drafter %s",
                     self.compressor.spec(), self.policy.initial, self.policy.minimum,
-                    self.policy.maximum)
+                    self.policy.maximum, config.vericache_drafter)
 
     # -- SGLang worker interface ---------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -277,6 +306,9 @@ class VeriCacheWorker(BaseSpecWorker):
         for slot in [s for s, owner in self._owners.items() if owner == rid]:
             self._release(slot)
         self.policy.forget(rid)
+        self.drafter_policy.forget(rid)
+        if self.drafter is not None:
+            self.drafter.forget(rid)
         self._publish_sizes()
         logger.debug("VeriCache totals after %s: %s", rid, self.totals)
 
@@ -307,16 +339,9 @@ class VeriCacheWorker(BaseSpecWorker):
 
     # -- request lifetime ----------------------------------------------------------------------
     def _attribute_reads(self, reqs: list) -> None:
-        """Add each request's full-tier bytes of this forward to its `meta_info` figure
-        (`READ_BYTES_KEY`, reported once, when the request finishes). A streamed response's
-        first chunk would carry the figure as it stood after prefill, so streams get none."""
+        """Add each request's full-tier bytes of this forward to its `meta_info` figure."""
         for row, nbytes in self.staging.take_request_bytes().items():
-            req = reqs[row]
-            if req.stream:
-                continue
-            if req.customized_info is None:
-                req.customized_info = {}
-            req.customized_info.setdefault(READ_BYTES_KEY, [0])[0] += nbytes
+            _add_to_meta_info(reqs[row], READ_BYTES_KEY, nbytes)
 
     def _release(self, slot: int) -> None:
         self.tier.release(slot)
@@ -424,7 +449,11 @@ class VeriCacheWorker(BaseSpecWorker):
         if not self._can_draft(batch):
             return self._plain_decode(batch, committed, bonus)
         round_ = self._plan_round(batch, committed, bonus)
-        self._draft(batch, round_)
+        if self.drafter is not None and round_.k > 0 and round_.rows.all_greedy \
+                and round_.grammar is None:
+            self._draft_stacked(batch, round_)
+        else:
+            self._draft(batch, round_)
         logits = self._verify(batch, round_)
         return self._accept(batch, round_, logits)
 
@@ -451,24 +480,14 @@ class VeriCacheWorker(BaseSpecWorker):
         """k one-token forwards over the compressed KV (under each request's grammar, if it has
         one), appending d1..dk to `round_.tokens` and each step's q to `round_.draft_probs`."""
         bs, grammar = len(batch.reqs), round_.grammar
-        slots = batch.req_pool_indices
-        self.draft_backend.begin_round(slots.tolist(), round_.committed_cpu.tolist(), round_.k)
+        self.draft_backend.begin_round(batch.req_pool_indices.tolist(),
+                                       round_.committed_cpu.tolist(), round_.k)
+        round_.forwards = [round_.k] * bs
         try:
             for step in range(round_.k):
                 self.draft_backend.set_step(step)
-                lens_cpu = round_.committed_cpu + step + 1
-                fb = ForwardBatch(
-                    forward_mode=ForwardMode.DECODE, batch_size=bs,
-                    input_ids=round_.tokens[-1], req_pool_indices=slots,
-                    seq_lens=round_.committed + step + 1,
-                    out_cache_loc=round_.locs[:, step].contiguous(),
-                    seq_lens_sum=int(lens_cpu.sum()), seq_lens_cpu=lens_cpu,
-                    positions=round_.positions[:, step].contiguous(),
-                    spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
-                    capture_hidden_mode=CaptureHiddenMode.NULL,
-                    return_hidden_states_before_norm=False,
-                )
-                logits = self._forward(self.draft_backend, fb).next_token_logits
+                logits = self._draft_forward(batch, round_, torch.arange(bs),
+                                             torch.full((bs,), step), round_.tokens[-1])
                 if grammar is not None:
                     grammar.constrain_draft(logits, step)
                 token, q = draft_tokens(logits, round_.rows, round_.positions[:, step])
@@ -482,6 +501,94 @@ class VeriCacheWorker(BaseSpecWorker):
             self.draft_backend.end_round()
             if grammar is not None:
                 grammar.finish_drafting()
+
+    def _draft_forward(self, batch, round_: _Round, requests: torch.Tensor,
+                       steps: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, V] of one forward over the compressed tier whose rows are the tokens
+        at committed length + `steps[r]` of request `requests[r]` (`draft_backend` was told
+        the same rows)."""
+        device = round_.committed.device
+        requests, steps = requests.to(device), steps.to(device)
+        positions = round_.committed[requests] + steps
+        lens_cpu = positions.cpu() + 1
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(requests), input_ids=input_ids,
+            req_pool_indices=batch.req_pool_indices[requests], seq_lens=positions + 1,
+            out_cache_loc=round_.locs[requests, steps], seq_lens_sum=int(lens_cpu.sum()),
+            seq_lens_cpu=lens_cpu, positions=positions,
+            spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
+            capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
+        )
+        if len(requests) <= len(batch.reqs):
+            return self._forward(self.draft_backend, fb).next_token_logits
+        # More rows than the scheduler's batch: SGLang's eager runner would copy them into
+        # input buffers sized for its largest decode batch; run them from their own tensors,
+        # SGLang's no-copy eager mode.
+        with envs.SGLANG_EAGER_INPUT_NO_COPY.override(True):
+            return self._forward(self.draft_backend, fb).next_token_logits
+
+    def _draft_stacked(self, batch, round_: _Round) -> None:
+        """Level 2 proposes, level 1 checks: each forward over the compressed tier runs a
+        request's last draft and the drafter's proposals after it, keeps the proposals equal
+        to level 1's greedy choice at each position and appends level 1's own next token, until
+        every request has k drafts. Greedy requests only: the drafts are then exactly the ones
+        one-token steps make. Rejected proposals' K/V stay in the round's scratch tail past the
+        request's draft and are overwritten by its next forward; nothing reaches the KV pool."""
+        reqs, k, bs = batch.reqs, round_.k, len(batch.reqs)
+        rids = [req.rid for req in reqs]
+        self.drafter.observe(reqs)
+        depth = self.drafter.context
+        bases = [[*req.origin_input_ids[-depth:], *req.output_ids[-depth:]][-depth:]
+                 for req in reqs]
+        base_lens = [len(req.origin_input_ids) + len(req.output_ids) for req in reqs]
+        chains: list[list[int]] = [[] for _ in reqs]
+        last = round_.tokens[0].tolist()
+        round_.forwards, round_.proposed, round_.kept = [0] * bs, [0] * bs, [0] * bs
+        self.draft_backend.begin_round(batch.req_pool_indices.tolist(),
+                                       round_.committed_cpu.tolist(), k)
+        try:
+            active = list(range(bs))
+            while active:
+                lengths = [min(self.drafter_policy.length(rids[i]), k - len(chains[i]) - 1)
+                           for i in active]
+                proposals = (self.drafter.propose(
+                    [rids[i] for i in active], [(bases[i] + chains[i])[-depth:] for i in active],
+                    [base_lens[i] + len(chains[i]) for i in active], lengths)
+                    if any(lengths) else [[] for _ in active])
+                requests, steps, ids = [], [], []
+                for i, proposal in zip(active, proposals, strict=True):
+                    for j, token in enumerate([last[i], *proposal]):
+                        requests.append(i)
+                        steps.append(len(chains[i]) + j)
+                        ids.append(token)
+                self.draft_backend.set_rows(requests, steps)
+                # All rows are greedy here: level 1's choice is the argmax, as in `_draft`.
+                chosen = self._draft_forward(
+                    batch, round_, torch.tensor(requests), torch.tensor(steps),
+                    torch.tensor(ids, device=round_.committed.device),
+                ).argmax(dim=-1).tolist()
+                row = 0
+                for i, proposal in zip(active, proposals, strict=True):
+                    mine = chosen[row : row + len(proposal) + 1]
+                    row += len(proposal) + 1
+                    kept = 0
+                    while kept < len(proposal) and proposal[kept] == mine[kept]:
+                        kept += 1
+                    chains[i] += [*proposal[:kept], mine[kept]]
+                    last[i] = mine[kept]
+                    round_.forwards[i] += 1
+                    if proposal:
+                        round_.proposed[i] += len(proposal)
+                        round_.kept[i] += kept
+                        self.drafter_policy.update(rids[i], len(proposal), kept)
+                active = [i for i in active if len(chains[i]) < k]
+            round_.round_buffer_bytes = self.draft_backend.round_buffer_bytes()
+            self.peak_round_bytes = max(self.peak_round_bytes, round_.round_buffer_bytes)
+        finally:
+            self.draft_backend.end_round()
+        device = round_.committed.device
+        round_.tokens.extend(torch.tensor([chain[step] for chain in chains], device=device)
+                             for step in range(k))
 
     def _verify(self, batch, round_: _Round):
         """One TARGET_VERIFY forward of [t0, d1..dk] over the full KV: the full model's logits
@@ -527,6 +634,15 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.full_backend is not None:
             self.full_backend.commit_chain(round_.locs, accept_lens)
         new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
+        for i, req in enumerate(batch.reqs):
+            _add_to_meta_info(req, DRAFT_FORWARDS_KEY, round_.forwards[i])
+            if self.drafter is not None:
+                _add_to_meta_info(req, DRAFTER_PROPOSED_KEY,
+                                  round_.proposed[i] if round_.proposed else 0)
+                _add_to_meta_info(req, DRAFTER_KEPT_KEY, round_.kept[i] if round_.kept else 0)
+        self._add(RoundCounts(draft_forwards=sum(round_.forwards),
+                              drafter_proposed=sum(round_.proposed),
+                              drafter_kept=sum(round_.kept)))
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
                             round_.committed + accept_lens, new_bonus, width=width, drafted=k,
                             verified=True)
@@ -582,3 +698,13 @@ class VeriCacheWorker(BaseSpecWorker):
             self.metrics.set_sizes(self.held_bytes(),
                                    pages_used=0 if self.pool is None else self.pool.used_pages)
 
+
+def _add_to_meta_info(req, key: str, amount: int) -> None:
+    """Add to one of the request's `meta_info` figures (request-level keys of `meta_info.py`,
+    reported once, when the request finishes). A streamed response's first chunk would carry
+    the figure as it stood after prefill, so streams get none."""
+    if req.stream:
+        return
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info.setdefault(key, [0])[0] += amount

@@ -1,0 +1,112 @@
+"""Two-level drafting is lossless: with SGLang's n-gram corpus proposing under the compressed-KV
+drafter, the output equals plain SGLang's token for token, on a 4-bit tier and on a
+token-dropping tier, for batched, stopped, streamed and grammar-constrained requests.
+
+Level 1 checks each proposal in one forward over the compressed tier; the statistics show it
+did (fewer level-1 forwards than drafts, proposals kept and rejected), and /metrics counts what
+meta_info reports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import SERVER_ARGS
+from tests.speculative.identity import assert_batch_identical, chat, payload, send_all, stats
+from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import (
+    DRAFT_FORWARDS_KEY,
+    DRAFTER_KEPT_KEY,
+    DRAFTER_PROPOSED_KEY,
+)
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def ngram_server(demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
+                                    "--vericache-drafter", "ngram"]) as server:
+        yield server
+
+
+def _levels(out: dict) -> tuple[int, int, int]:
+    """(level-1 forwards, level-2 proposed, level-2 kept) of one response."""
+    meta = out["meta_info"]
+    return tuple(meta[key][0] for key in (DRAFT_FORWARDS_KEY, DRAFTER_PROPOSED_KEY,
+                                          DRAFTER_KEPT_KEY))
+
+
+def _metrics(server: ServerProcess) -> dict[str, float]:
+    text = requests.get(f"{server.url}/metrics", timeout=60).text
+    return {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vericache:")}
+
+
+def test_real_prompts_in_one_batch(ngram_server, plain, prompt_ids):
+    """Six prompts of test_identity.py in flight together (the others run there; CI time):
+    same tokens as plain SGLang; the drafter's proposals were checked (some kept, some not)
+    and level 1 ran fewer forwards than it drafted tokens."""
+    names = ["textwrap_2000", "heapq_400", "bisect_300", "csv_700", "fibonacci",
+             "chat_palindrome"]
+    got = assert_batch_identical(ngram_server, plain, {name: prompt_ids[name] for name in names},
+                                 "kivi:bits=4 + ngram")
+    forwards, proposed, kept = (sum(column) for column in zip(*map(_levels, got), strict=True))
+    drafted = sum(stats(out)[1] for out in got)
+    print(f"\n  level 1: {forwards} forwards for {drafted} drafts; "
+          f"level 2: {kept}/{proposed} proposals kept")
+    assert 0 < kept < proposed
+    assert forwards < drafted
+
+
+def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer):
+    """Stop strings inside a round, a streamed request and a JSON schema (drafted one token per
+    forward: grammars do not stack) together: plain SGLang's tokens, and /metrics counts the
+    levels meta_info reports."""
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "returns": {"type": "string"}},
+        "required": ["name", "returns"]})
+    ids = chat("Describe the function heapq.heappush as JSON with its name and return type.",
+               "heapq", 0, 400)(tokenizer)
+    batch = [payload(prompt_ids["csv_700"], "code", max_new_tokens=96, stop=["\n\n"]),
+             payload(prompt_ids["bisect_300"], "code", max_new_tokens=64, stop=["return"]),
+             payload(ids, "chat", max_new_tokens=64, json_schema=schema)]
+    before = _metrics(ngram_server)
+    got = send_all(ngram_server, batch)
+    after = _metrics(ngram_server)
+    for request, out in zip(batch, got, strict=True):
+        assert out["output_ids"] == plain(request)["output_ids"]
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["vericache:draft_forwards_total"] == sum(_levels(out)[0] for out in got)
+    assert delta["vericache:drafter_proposed_total"] == sum(_levels(out)[1] for out in got)
+    assert delta["vericache:drafter_kept_total"] == sum(_levels(out)[2] for out in got)
+    assert _levels(got[2])[1] == 0  # the grammar request drafted one token per forward
+
+    request = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
+    response = requests.post(f"{ngram_server.url}/generate", json={**request, "stream": True},
+                             stream=True, timeout=600)
+    response.raise_for_status()
+    chunks = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
+              if line.startswith(b"data: {")]
+    assert chunks[-1]["output_ids"] == plain(request)["output_ids"]
+
+
+def test_token_dropping_tier(demo_model, plain, prompt_ids):
+    """SnapKV keeping half the tokens under the n-gram drafter, eight requests at once, a fixed
+    draft length of 16 with proposals of up to 4 tokens: plain SGLang's tokens."""
+    names = ["heapq_400", "bisect_300", "csv_700", "fibonacci", "chat_palindrome",
+             "chat_fnmatch", "chat_list_tuple", "chat_queue_docstring"]
+    with ServerProcess(demo_model, [
+        *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.5",
+        "--vericache-draft-length", "16", "--vericache-min-draft-length", "16",
+        "--vericache-max-draft-length", "16", "--vericache-drafter", "ngram",
+        "--vericache-drafter-max-length", "4",
+    ]) as server:
+        got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
+                                     "snapkv:ratio=0.5 + ngram")
+    assert sum(_levels(out)[2] for out in got) > 0
