@@ -36,6 +36,8 @@ BAD_FLAGS = {
                      "--enable-mixed-chunk cannot be combined"),
     "fp8 KV": (["--enable-vericache", "--kv-cache-dtype", "fp8_e4m3"],
                "--kv-cache-dtype fp8_e4m3 with --enable-vericache is not supported yet"),
+    "unknown drafter": (["--enable-vericache", "--vericache-drafter", "eagle"],
+                        "--vericache-drafter must be one of none, ngram"),
     "device budget too small": (["--enable-vericache", "--max-total-tokens", "1000"],
                                 "raise --max-total-tokens"),
 }

@@ -81,6 +81,12 @@ def test_size_parsing_for_budgets():
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},
      "--vericache-staging-budget sizes the host placement"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
+    ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of none, ngram"),
+    ({"vericache_drafter": "ngram", "vericache_drafter_max_length": 64},
+     "--vericache-drafter-max-length <= 32"),
+    ({"vericache_drafter": "ngram", "vericache_drafter_min_length": 4,
+      "vericache_drafter_max_length": 2}, "1 <= --vericache-drafter-min-length"),
+    ({"vericache_drafter_max_length": 4}, "they do nothing with --vericache-drafter none"),
 ])
 def test_invalid_values_raise_one_clear_error(values, message):
     with pytest.raises(VeriCacheConfigError, match=message) as info:

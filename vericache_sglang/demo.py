@@ -16,9 +16,14 @@ from vericache_sglang import models
 from vericache_sglang.cpu.finder import nvidia_gpu_present
 from vericache_sglang.prompts import stdlib_source
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import (
+    DRAFT_FORWARDS_KEY,
+    DRAFTER_KEPT_KEY,
+    DRAFTER_PROPOSED_KEY,
+)
 
 NOT_BUILT_YET = (
-    "Not built yet: a remote full tier, "
+    "Not built yet: a remote full tier, a draft model as level-2 drafter, "
     "the pinned host pool and copy stream of the host tier on a GPU, drafting for requests "
     "with penalties or returned logprobs (they decode one plain step at a time), and the "
     "overlap scheduler."
@@ -26,17 +31,30 @@ NOT_BUILT_YET = (
 
 
 def vericache_stats(meta: dict) -> dict:
-    """Per-request drafting statistics from SGLang's speculative counters in meta_info."""
+    """Per-request drafting statistics by level: SGLang's speculative counters in meta_info
+    (level 0, the full-KV verification) and VeriCache's (level 1, the target over the
+    compressed tier; level 2, the cheap drafter)."""
     rounds = meta.get("spec_verify_ct", 0)
     if not rounds:
         return {}
-    accepted = meta.get("spec_num_correct_drafts", 0)
-    return {
-        "verification_rounds": rounds,
-        "drafted_tokens": round(meta.get("spec_cap_length", 0) * rounds),
-        "accepted_tokens": accepted,
-        "tokens_per_round": round((meta["completion_tokens"] - 1) / rounds, 2),
+    drafted = round(meta.get("spec_cap_length", 0) * rounds)
+    stats = {
+        "level 0 (full KV)": {
+            "verification_forwards": rounds,
+            "drafts_accepted": f"{meta.get('spec_num_correct_drafts', 0)}/{drafted}",
+            "tokens_per_verification": round((meta["completion_tokens"] - 1) / rounds, 2),
+        },
     }
+    if DRAFT_FORWARDS_KEY in meta:
+        forwards = meta[DRAFT_FORWARDS_KEY][0]
+        stats["level 1 (compressed KV)"] = {
+            "drafting_forwards": forwards,
+            "drafts_per_forward": round(drafted / forwards, 2) if forwards else 0,
+        }
+    if DRAFTER_PROPOSED_KEY in meta:
+        stats["level 2 (drafter)"] = {
+            "proposals_kept": f"{meta[DRAFTER_KEPT_KEY][0]}/{meta[DRAFTER_PROPOSED_KEY][0]}"}
+    return stats
 
 
 def long_context_prompt(max_chars: int) -> str:
@@ -51,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--vericache-compressor for the server (default: %(default)s)")
     parser.add_argument("--draft-length", type=int, default=16,
                         help="--vericache-draft-length for the server (default: %(default)s)")
+    parser.add_argument("--drafter", default="ngram", choices=["none", "ngram"],
+                        help="--vericache-drafter for the server (default: %(default)s)")
     parser.add_argument("--dtype", default=None,
                         help="--dtype for the server (default: float32 without a GPU, where "
                         "bf16 matmuls are emulated and slower; else the model's)")
@@ -67,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "--enable-vericache",
         "--vericache-compressor", args.compressor,
         "--vericache-draft-length", str(args.draft_length),
+        "--vericache-drafter", args.drafter,
     ])
     print(f"starting SGLang with --enable-vericache on {server.url} (log: {server.log_path}) ...")
     with server:
@@ -93,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         print(prompt[-300:] + "\033[1m" + out["text"] + "\033[0m")
         print(f"--- {meta['completion_tokens']} tokens in {seconds:.1f} s "
               f"({meta['completion_tokens'] / seconds:.1f} tokens/s incl. prefill) ---")
-        print("VeriCache statistics:", vericache_stats(meta) or "none (no verification round ran)")
+        levels = vericache_stats(meta)
+        print("VeriCache statistics by level:" if levels
+              else "VeriCache statistics: none (no verification round ran)")
+        for level, figures in levels.items():
+            print(f"  {level}: {figures}")
         state = server.server_info()["internal_states"][0].get("vericache_state", {})
         if state:
             print(f"device bytes held {state['device_bytes']['total']} of a "

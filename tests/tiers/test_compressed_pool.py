@@ -260,3 +260,50 @@ def test_a_full_pool_drafts_the_rest_from_the_full_kv():
                           keys.repeat_interleave(group, 1)) * SCALE
     expected = torch.einsum("ht,thd->hd", logits.softmax(-1), values.repeat_interleave(group, 1))
     assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_of_several_steps_read_each_prefix_once_and_equal_single_steps():
+    """A level-1 check forward over the pool (several steps of a request in one forward, a
+    different number per request, the rows of a request sharing one read of its pages) equals
+    one-token steps, on every layer."""
+    setup = Setup("kivi:bits=4", slots=6000, layers=2, requests=3, context=2000)
+    gen = torch.Generator().manual_seed(8)
+    committed = [1500, 37, 900]
+    for row, n in zip(range(1, 4), committed, strict=True):
+        setup.request(row, torch.randint(0, 49152, (n,), generator=gen).tolist())
+    steps = 4
+    qkv = {(r, s, layer.layer_id): (torch.randn(Q_HEADS * DIM, generator=gen),
+                                    torch.randn(KV_HEADS * DIM, generator=gen),
+                                    torch.randn(KV_HEADS * DIM, generator=gen))
+           for r in range(3) for s in range(steps) for layer in setup.layers}
+
+    def forward(rows: list[tuple[int, int]]) -> dict[tuple[int, int, int], torch.Tensor]:
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+            input_ids=torch.zeros(len(rows), dtype=torch.int64),
+            req_pool_indices=torch.tensor([r + 1 for r, _ in rows]),
+            seq_lens=torch.tensor([committed[r] + s + 1 for r, s in rows]),
+            out_cache_loc=torch.zeros(len(rows), dtype=torch.int64),
+            seq_lens_sum=sum(committed[r] + s + 1 for r, s in rows))
+        outs = {}
+        for layer in setup.layers:
+            q, k, v = (torch.stack([qkv[(r, s, layer.layer_id)][i] for r, s in rows])
+                       for i in range(3))
+            out = setup.backend.forward_decode(q, k, v, layer, batch)
+            outs.update({(r, s, layer.layer_id): o for (r, s), o in zip(rows, out, strict=True)})
+        return outs
+
+    setup.backend.begin_round([1, 2, 3], committed, steps)
+    expected = {}
+    for step in range(steps):
+        setup.backend.set_step(step)
+        expected.update(forward([(r, step) for r in range(3)]))
+    setup.backend.begin_round([1, 2, 3], committed, steps)
+    got = {}
+    for rows in ([(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (2, 2)],
+                 [(0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 3)]):
+        setup.backend.set_rows([r for r, _ in rows], [s for _, s in rows])
+        got.update(forward(rows))
+    setup.backend.end_round()
+    for key, ref in expected.items():
+        torch.testing.assert_close(got[key], ref, rtol=1e-5, atol=1e-5, msg=str(key))

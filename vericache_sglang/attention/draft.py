@@ -19,6 +19,8 @@ rejected draft leaves no trace.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +30,53 @@ from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 from vericache_sglang.tiers.staging import StagingArea
+
+
+@dataclass(frozen=True)
+class _RowGroups:
+    """A forward's rows grouped by request, so that a request with several rows reads its
+    compressed prefix once: its rows' queries join its query heads (GQA groups `width` times
+    as wide), padded with zero queries to the widest request."""
+
+    requests: torch.Tensor
+    """[A] the requests that have rows, ascending."""
+    group: torch.Tensor
+    """[R] each row's index among them."""
+    offset: torch.Tensor
+    """[R] each row's place among its request's rows."""
+    width: int
+
+    @classmethod
+    def of(cls, requests: list[int], device) -> _RowGroups:
+        order = sorted(set(requests))
+        index = {request: n for n, request in enumerate(order)}
+        seen: Counter[int] = Counter()
+        offsets = []
+        for request in requests:
+            offsets.append(seen[request])
+            seen[request] += 1
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+        return cls(tensor(order), tensor([index[r] for r in requests]), tensor(offsets),
+                   max(seen.values()))
+
+    def stack(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """[R, Hq, D] row queries -> [A, width * Hq, D], a request's rows within each group."""
+        _, q_heads, dim = q.shape
+        grid = q.new_zeros(len(self.requests), self.width, q_heads, dim)
+        grid[self.group, self.offset] = q
+        return (grid.view(len(self.requests), self.width, kv_heads, q_heads // kv_heads, dim)
+                .transpose(1, 2).reshape(len(self.requests), -1, dim))
+
+    def unstack(self, out: torch.Tensor, lse: torch.Tensor,
+                kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `stack` for attention's (out [A, width * Hq, Dv], lse [A, width * Hq])."""
+        count, per_group = len(self.requests), out.shape[1] // (kv_heads * self.width)
+        out = (out.view(count, kv_heads, self.width, per_group, out.shape[-1]).transpose(1, 2)
+               .reshape(count, self.width, kv_heads * per_group, out.shape[-1]))
+        lse = (lse.view(count, kv_heads, self.width, per_group).transpose(1, 2)
+               .reshape(count, self.width, kv_heads * per_group))
+        return out[self.group, self.offset], lse[self.group, self.offset]
 
 
 class DraftAttnBackend(CompressedTierAttnBackend):
@@ -56,6 +105,7 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         # The rows of the next forward: request index (None: one row per request, in order)
         # and step of each row.
         self._row_requests: torch.Tensor | None = None
+        self._row_groups: _RowGroups | None = None
         self._row_steps: torch.Tensor | None = None
         self._last_step = 0
         self._tail_k: dict[int, torch.Tensor] = {}
@@ -88,13 +138,15 @@ class DraftAttnBackend(CompressedTierAttnBackend):
     def set_rows(self, requests: list[int], steps: list[int]) -> None:
         """The next decode forward has one row per entry: the token at committed length +
         `steps[r]` of request `requests[r]` (an index into `begin_round`'s batch)."""
-        self._set_rows(torch.tensor(requests, dtype=torch.int64,
-                                    device=self.req_to_token_pool.req_to_token.device), steps)
+        device = self.req_to_token_pool.req_to_token.device
+        self._set_rows(torch.tensor(requests, dtype=torch.int64, device=device), steps)
+        self._row_groups = _RowGroups.of(requests, device)
 
     def _set_rows(self, requests: torch.Tensor | None, steps: list[int]) -> None:
         if not all(0 <= step < self._max_steps for step in steps):
             raise ValueError(f"draft steps {steps} outside [0, {self._max_steps})")
         self._row_requests = requests
+        self._row_groups = None
         self._row_steps = torch.tensor(steps, dtype=torch.int64,
                                        device=self.req_to_token_pool.req_to_token.device)
         self._last_step = max(steps)
@@ -104,7 +156,7 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self._tail_k.clear()
         self._tail_v.clear()
         self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
-        self._row_requests = self._row_steps = None
+        self._row_requests = self._row_steps = self._row_groups = None
         self._window = []
 
     def round_buffer_bytes(self) -> int:
@@ -183,18 +235,25 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _pool_attention(self, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over the pages of each request's old groups plus its exact part."""
-        lid = layer.layer_id
+        """Attention over the pages of each request's old groups plus its exact part (read once
+        per request, however many rows it has)."""
+        lid, groups = layer.layer_id, self._row_groups
+
+        def pick(per_request: torch.Tensor) -> torch.Tensor:
+            return per_request if groups is None else per_request[groups.requests]
+
         if self._window:
-            k_exact, v_exact = map(self._rows_of, self._window[lid])
+            k_exact, v_exact = map(pick, self._window[lid])
         else:
-            rows = self._rows_of(self._exact_rows)
+            rows = pick(self._exact_rows)
             k_exact = self.token_to_kv_pool.get_key_buffer(lid)[rows]
             v_exact = self.token_to_kv_pool.get_value_buffer(lid)[rows]
-        paged = self.pool.layer(lid, self._rows_of(self._page_table),
-                                self._rows_of(self._paged_lens))
-        return kernels.decode_attention(q, paged, k_exact, v_exact,
-                                        self._rows_of(self._exact_lens), layer.scaling)
+        paged = self.pool.layer(lid, pick(self._page_table), pick(self._paged_lens))
+        kv_heads = layer.tp_k_head_num
+        query = q if groups is None else groups.stack(q, kv_heads)
+        out, lse = kernels.decode_attention(query, paged, k_exact, v_exact,
+                                            pick(self._exact_lens), layer.scaling)
+        return (out, lse) if groups is None else groups.unstack(out, lse, kv_heads)
 
     def _tier_attention(self, q: torch.Tensor, layer,
                         slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,161 @@
+"""Two-level drafting against plain SGLang and single-level VeriCache, in one run.
+
+Workloads on long real contexts (Python standard library sources, about 2,500 tokens): code
+continuation (the source's next lines) and chat (a question about the source), at batch 1 and
+batch 4, greedy, float32. Each prompt is sent once with one new token first, so the measured
+request finds its prompt in the radix cache and its time is decode time.
+
+Servers: plain SGLang; VeriCache with a 4-bit tier drafting one token per forward; the same
+with SGLang's n-gram corpus proposing under it (`--vericache-drafter ngram`); and SGLang's own
+NGRAM speculative decoding where it starts on this machine. Per server and workload: output
+tokens per second of decoding, target-model forwards per emitted token (VeriCache: level-1
+forwards over the compressed tier plus verification forwards, per request), and E at each
+level: tokens per verification (level 0), drafts per level-1 forward (level 1), proposals
+level 1 kept (level 2). Every output is compared with plain SGLang's.
+
+    .venv/bin/python -m bench.multilevel [--write-docs docs/drafting.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.docs_section import replace_section
+from vericache_sglang import models
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess, ServerStartError
+from vericache_sglang.speculative.meta_info import (
+    DRAFT_FORWARDS_KEY,
+    DRAFTER_KEPT_KEY,
+    DRAFTER_PROPOSED_KEY,
+)
+
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
+          "--max-running-requests", "4"]
+VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]
+SERVERS = {
+    "plain SGLang": [],
+    "VeriCache, one level": VERICACHE,
+    "VeriCache + ngram": [*VERICACHE, "--vericache-drafter", "ngram"],
+    "SGLang NGRAM": ["--speculative-algorithm", "NGRAM", "--disable-overlap-schedule"],
+}
+MODULES = ["argparse", "difflib", "inspect", "typing"]
+
+
+def _workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
+    def code(module: str) -> list[int]:
+        return stdlib_ids(tokenizer, module, prompt_tokens, start=200)
+
+    def chat(module: str) -> list[int]:
+        source = tokenizer.decode(code(module))
+        text = f"Explain what this code does, function by function.\n\n```python\n{source}\n```"
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+
+    def request(ids: list[int], ignore_eos: bool) -> dict:
+        return {"input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": ignore_eos}}
+
+    return {
+        "code, batch 1": [request(code(MODULES[0]), True)],
+        "chat, batch 1": [request(chat(MODULES[0]), False)],
+        "code, batch 4": [request(code(m), True) for m in MODULES],
+        "chat, batch 4": [request(chat(m), False) for m in MODULES],
+    }
+
+
+def _measure(server: ServerProcess, payloads: list[dict]) -> dict:
+    warm = [{**p, "sampling_params": {**p["sampling_params"], "max_new_tokens": 1}}
+            for p in payloads]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        list(pool.map(lambda p: server.generate(p, timeout=3600), warm))
+        began = time.monotonic()
+        outs = list(pool.map(lambda p: server.generate(p, timeout=3600), payloads))
+    seconds = time.monotonic() - began
+    generated = sum(len(out["output_ids"]) for out in outs)
+    meta = [out["meta_info"] for out in outs]
+
+    def total(key: str) -> int:
+        # SGLang's counters are numbers; VeriCache's per-request figures one-element lists.
+        values = [m.get(key) or 0 for m in meta]
+        return sum(v[0] if isinstance(v, list) else v for v in values)
+
+    rounds = total("spec_verify_ct")
+    drafted = sum(round(m.get("spec_cap_length", 0) * m.get("spec_verify_ct", 0)) for m in meta)
+    forwards = total(DRAFT_FORWARDS_KEY)
+    row = {"outputs": [out["output_ids"] for out in outs], "tok_s": generated / seconds,
+           "forwards_per_token": 1.0, "E0": None, "E1": None, "kept": None}
+    if rounds:
+        row["E0"] = (generated - len(outs)) / rounds
+    if DRAFT_FORWARDS_KEY in meta[0]:
+        row.update(forwards_per_token=(forwards + rounds) / generated,
+                   E1=drafted / max(forwards, 1))
+    if DRAFTER_PROPOSED_KEY in meta[0]:
+        row["kept"] = f"{total(DRAFTER_KEPT_KEY)}/{total(DRAFTER_PROPOSED_KEY)}"
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.multilevel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=2500)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--write-docs", type=Path, help="docs page with a multilevel section")
+    args = parser.parse_args()
+
+    model = models.prepare().target
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    workloads = _workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+    results: dict[str, dict[str, dict] | str] = {}
+    for name, extra in SERVERS.items():
+        print(f"[bench] {name} ...", flush=True)
+        try:
+            with ServerProcess(model, [*COMMON, *extra]) as server:
+                results[name] = {w: _measure(server, p) for w, p in workloads.items()}
+        except ServerStartError as e:
+            reason = str(e).strip().splitlines()[-1]
+            results[name] = f"does not start here: {reason[:160]}"
+            print(f"[bench] {name}: {results[name]}", flush=True)
+            continue
+        for w, row in results[name].items():
+            print(f"[bench] {name} / {w}: {row['tok_s']:.2f} tok/s", flush=True)
+
+    plain = results["plain SGLang"]
+    lines = [
+        f"\nMeasured by `python -m bench.multilevel` ({args.prompt_tokens}-token contexts, "
+        f"{args.max_new_tokens} greedy tokens per request, float32, prompts cached first, "
+        "one run on this 2-core CPU machine):\n",
+        "| workload | server | decode tok/s | vs plain | target forwards per token "
+        "| E level 0 | drafts per level-1 forward | level-2 kept | outputs = plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload in workloads:
+        for name in SERVERS:
+            row = results[name]
+            if isinstance(row, str):
+                continue
+            row = row[workload]
+            same = sum(a == b for a, b in zip(plain[workload]["outputs"], row["outputs"],
+                                              strict=True))
+            cells = [workload, name, f"{row['tok_s']:.2f}",
+                     f"{row['tok_s'] / plain[workload]['tok_s']:.2f}x",
+                     f"{row['forwards_per_token']:.2f}",
+                     "-" if row["E0"] is None else f"{row['E0']:.1f}",
+                     "-" if row["E1"] is None else f"{row['E1']:.2f}",
+                     row["kept"] or "-", f"{same} of {len(row['outputs'])}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"{name}: {row}" for name, row in results.items() if isinstance(row, str)]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.write_docs:
+        replace_section(args.write_docs, "multilevel", table)
+
+
+if __name__ == "__main__":
+    main()
