@@ -13,7 +13,8 @@ forwards over the compressed tier plus verification forwards, per request), and 
 level: tokens per verification (level 0), drafts per level-1 forward (level 1), proposals
 level 1 kept (level 2). Every output is compared with plain SGLang's.
 
-    .venv/bin/python -m bench.multilevel [--write-docs docs/drafting.md]
+    .venv/bin/python -m bench.multilevel [--full-tier host|device] [--workloads "code, batch 1"]
+        [--write-docs docs/drafting.md]
 """
 
 from __future__ import annotations
@@ -106,20 +107,33 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2500)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--write-docs", type=Path, help="docs page with a multilevel section")
+    parser.add_argument("--full-tier", default="host", choices=["host", "device"],
+                        help="--vericache-full-tier of the VeriCache servers (default: host)")
+    parser.add_argument("--workloads", nargs="+", metavar="NAME",
+                        help="run only these workloads (e.g. 'code, batch 1'; default: all)")
+    parser.add_argument("--write-docs", type=Path, help="docs page with a multilevel section "
+                        "(multilevel-host or multilevel-device, after --full-tier)")
     args = parser.parse_args()
 
     model = models.prepare().target
     tokenizer = AutoTokenizer.from_pretrained(model)
     workloads = _workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+    if args.workloads:
+        unknown = set(args.workloads) - set(workloads)
+        if unknown:
+            parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(workloads)}")
+        workloads = {name: workloads[name] for name in args.workloads}
+    servers = {name: [*extra, "--vericache-full-tier", args.full_tier]
+               if "--enable-vericache" in extra else extra for name, extra in SERVERS.items()}
     results: dict[str, dict[str, dict] | str] = {}
-    for name, extra in SERVERS.items():
+    for name, extra in servers.items():
         print(f"[bench] {name} ...", flush=True)
         try:
             with ServerProcess(model, [*COMMON, *extra]) as server:
                 results[name] = {w: _measure(server, p) for w, p in workloads.items()}
         except ServerStartError as e:
-            reason = str(e).strip().splitlines()[-1]
+            errors = [line for line in str(e).splitlines() if "Error" in line]
+            reason = (errors or str(e).strip().splitlines())[-1].strip()
             results[name] = f"does not start here: {reason[:160]}"
             print(f"[bench] {name}: {results[name]}", flush=True)
             continue
@@ -128,9 +142,9 @@ def main() -> None:
 
     plain = results["plain SGLang"]
     lines = [
-        f"\nMeasured by `python -m bench.multilevel` ({args.prompt_tokens}-token contexts, "
-        f"{args.max_new_tokens} greedy tokens per request, float32, prompts cached first, "
-        "one run on this 2-core CPU machine):\n",
+        f"\nMeasured by `python -m bench.multilevel --full-tier {args.full_tier}` "
+        f"({args.prompt_tokens}-token contexts, {args.max_new_tokens} greedy tokens per "
+        "request, float32, prompts cached first, one run on this 2-core CPU machine):\n",
         "| workload | server | decode tok/s | vs plain | target forwards per token "
         "| E level 0 | drafts per level-1 forward | level-2 kept | outputs = plain |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -154,7 +168,7 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.write_docs:
-        replace_section(args.write_docs, "multilevel", table)
+        replace_section(args.write_docs, f"multilevel-{args.full_tier}", table)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,23 @@ def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer)
     assert chunks[-1]["output_ids"] == plain(request)["output_ids"]
 
 
+def test_sampled_requests_stack_beside_greedy_ones(ngram_server, plain, prompt_ids):
+    """Sampled requests check proposals too (level 1 samples against each point-mass proposal;
+    the exactness of that is test_sampling.py's): in a batch with them, the greedy requests
+    still get plain SGLang's tokens, and the sampled ones drafted through proposals."""
+    greedy = [payload(prompt_ids[name], "code", max_new_tokens=48)
+              for name in ("heapq_400", "csv_700")]
+    sampled = [payload(prompt_ids[name], "code", max_new_tokens=48, temperature=0.7, top_p=0.9)
+               for name in ("heapq_400", "bisect_300")]
+    got = send_all(ngram_server, [*greedy, *sampled])
+    for request, out in zip(greedy, got, strict=True):
+        assert out["output_ids"] == plain(request)["output_ids"]
+    for out in got[2:]:
+        rounds, _, accepted = stats(out)
+        assert len(out["output_ids"]) == 49 and len(out["output_ids"]) <= 1 + accepted + rounds
+    assert sum(_levels(out)[1] for out in got[2:]) > 0
+
+
 def test_token_dropping_tier(demo_model, plain, prompt_ids):
     """SnapKV keeping half the tokens under the n-gram drafter, eight requests at once, a fixed
     draft length of 16 with proposals of up to 4 tokens: plain SGLang's tokens."""

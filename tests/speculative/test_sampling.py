@@ -25,6 +25,7 @@ from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
+    check_proposal,
     chosen_tokens,
     draft_tokens,
     filtered_probs,
@@ -460,3 +461,38 @@ def test_sampler_supported():
         pass
 
     assert not sampler_supported(Custom.__new__(Custom), _info(is_all_greedy=True), pytorch)
+
+
+# -- level-1 checks of a level-2 proposal --------------------------------------------------
+
+@pytest.mark.parametrize("params", [{"temperatures": [1.0]},
+                                    {"temperatures": [0.8], "top_ks": [4], "top_ps": [0.9]}])
+def test_checked_proposals_follow_level_ones_distribution(params):
+    """A sampling request's check of a point-mass proposal [a, b]: the first added token
+    follows q_0, and after a kept `a` the next follows q_1 (Monte Carlo, chi-square); the q
+    returned for verification is the distribution each added token was drawn from."""
+    torch.manual_seed(0)
+    vocab, proposal = 6, [2, 4]
+    logits = torch.randn(3, vocab, dtype=torch.float32) * 1.5
+    rows = make_rows(**params)
+    taken = rows.take(torch.zeros(3, dtype=torch.int64))
+    positions = torch.arange(3)
+    q = filtered_probs(softmax_probs(logits, taken), taken)
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(20000):
+        added, probs = check_proposal(logits, taken, positions, proposal)
+        torch.testing.assert_close(probs, q[: len(added)])
+        first[added[0]] += 1
+        if added[0] == proposal[0]:
+            second[added[1]] += 1
+    assert chi2_pvalue(first, q[0]) > 1e-3
+    assert chi2_pvalue(second, q[1]) > 1e-3
+
+
+def test_greedy_check_keeps_the_proposals_equal_to_its_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    rows = make_rows([0.0]).take(torch.zeros(3, dtype=torch.int64))
+    assert check_proposal(logits, rows, torch.arange(3), [1, 0]) == ([1, 0, 2], None)
+    assert check_proposal(logits, rows, torch.arange(3), [1, 2]) == ([1, 0], None)
+    assert check_proposal(logits[:1], rows.take(torch.zeros(1, dtype=torch.int64)),
+                          torch.arange(1), []) == ([1], None)

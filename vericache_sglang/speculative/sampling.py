@@ -86,12 +86,17 @@ class SamplingRows:
 
     def repeat(self, times: int) -> SamplingRows:
         """Each row `times` times in a row: the rows of a verify forward's tokens."""
-        def rep(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.repeat_interleave(times, dim=0)
+        return self.take(torch.arange(len(self.top_ks), device=self.top_ks.device)
+                         .repeat_interleave(times))
 
-        return SamplingRows(rep(self.temperatures), rep(self.top_ks), rep(self.top_ps),
-                            rep(self.min_ps), self.need_filter, self.need_min_p, rep(self.seeds),
-                            self.all_greedy)
+    def take(self, index: torch.Tensor) -> SamplingRows:
+        """Rows `index` [m] of these (a row may repeat)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        return SamplingRows(pick(self.temperatures), pick(self.top_ks), pick(self.top_ps),
+                            pick(self.min_ps), self.need_filter, self.need_min_p,
+                            pick(self.seeds), self.all_greedy)
 
 
 def sampler_supported(sampler, info, backend: str | None) -> bool:
@@ -179,6 +184,41 @@ def draft_tokens(logits: torch.Tensor, rows: SamplingRows,
     q = filtered_probs(softmax_probs(logits, rows), rows)
     drawn = torch.multinomial(q, num_samples=1).squeeze(1)
     return torch.where(rows.sampled, drawn, tokens), q
+
+
+def check_proposal(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor,
+                   proposal: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    """One request's level-1 check of a deterministic proposal (a point mass).
+
+    logits [w, V]: level 1's logits at the request's last draft and at each proposed token
+    (w = len(proposal) + 1), with the request's sampling `rows` [w] and `positions` [w] (of
+    the tokens whose logits these are). Returns the tokens level 1 adds to its draft (a kept
+    prefix of the proposal and one token of its own) and, for a request that samples, the
+    distribution q each added token follows ([added, V], what verification needs), else None.
+
+    Greedy and seeded requests keep the proposed tokens equal to their own choice: the draft is
+    the one one-token steps make. A sampling request keeps proposed p with probability q(p) and
+    at the first rejection draws from q without p (speculative sampling against a point mass),
+    so each added token follows q exactly given the tokens before it.
+    """
+    chosen = chosen_tokens(logits, rows, positions).tolist()
+    if not bool(rows.sampled[0]):
+        kept = 0
+        while kept < len(proposal) and proposal[kept] == chosen[kept]:
+            kept += 1
+        return [*proposal[:kept], chosen[kept]], None
+    q = filtered_probs(softmax_probs(logits, rows), rows)
+    added = []
+    for j, token in enumerate(proposal):
+        if torch.rand(()) < q[j, token]:
+            added.append(token)
+            continue
+        rest = q[j].clone()
+        rest[token] = 0
+        added.append(int(torch.multinomial(rest / rest.sum(), 1)))
+        return added, q[: j + 1]
+    added.append(int(torch.multinomial(q[len(proposal)], 1)))
+    return added, q[: len(proposal) + 1]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

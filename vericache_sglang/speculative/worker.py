@@ -70,6 +70,7 @@ from vericache_sglang.speculative.meta_info import (
 from vericache_sglang.speculative.policy import DraftLengthPolicy
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
+    check_proposal,
     draft_tokens,
     sampler_supported,
     verify_tokens,
@@ -449,8 +450,7 @@ class VeriCacheWorker(BaseSpecWorker):
         if not self._can_draft(batch):
             return self._plain_decode(batch, committed, bonus)
         round_ = self._plan_round(batch, committed, bonus)
-        if self.drafter is not None and round_.k > 0 and round_.rows.all_greedy \
-                and round_.grammar is None:
+        if self.drafter is not None and round_.k > 0 and round_.grammar is None:
             self._draft_stacked(batch, round_)
         else:
             self._draft(batch, round_)
@@ -529,10 +529,11 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _draft_stacked(self, batch, round_: _Round) -> None:
         """Level 2 proposes, level 1 checks: each forward over the compressed tier runs a
-        request's last draft and the drafter's proposals after it, keeps the proposals equal
-        to level 1's greedy choice at each position and appends level 1's own next token, until
-        every request has k drafts. Greedy requests only: the drafts are then exactly the ones
-        one-token steps make. Rejected proposals' K/V stay in the round's scratch tail past the
+        request's last draft and the drafter's proposals after it, keeps a prefix of the
+        proposals and appends a token of level 1's own (`sampling.check_proposal`: greedy and
+        seeded requests get exactly the drafts one-token steps make, sampling requests drafts
+        that follow level 1's distribution q, recorded for verification), until every request
+        has k drafts. Rejected proposals' K/V stay in the round's scratch tail past the
         request's draft and are overwritten by its next forward; nothing reaches the KV pool."""
         reqs, k, bs = batch.reqs, round_.k, len(batch.reqs)
         rids = [req.rid for req in reqs]
@@ -542,6 +543,7 @@ class VeriCacheWorker(BaseSpecWorker):
                  for req in reqs]
         base_lens = [len(req.origin_input_ids) + len(req.output_ids) for req in reqs]
         chains: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # q of each draft (sampling)
         last = round_.tokens[0].tolist()
         round_.forwards, round_.proposed, round_.kept = [0] * bs, [0] * bs, [0] * bs
         self.draft_backend.begin_round(batch.req_pool_indices.tolist(),
@@ -562,20 +564,23 @@ class VeriCacheWorker(BaseSpecWorker):
                         steps.append(len(chains[i]) + j)
                         ids.append(token)
                 self.draft_backend.set_rows(requests, steps)
-                # All rows are greedy here: level 1's choice is the argmax, as in `_draft`.
-                chosen = self._draft_forward(
-                    batch, round_, torch.tensor(requests), torch.tensor(steps),
-                    torch.tensor(ids, device=round_.committed.device),
-                ).argmax(dim=-1).tolist()
+                device = round_.committed.device
+                logits = self._draft_forward(batch, round_, torch.tensor(requests),
+                                             torch.tensor(steps), torch.tensor(ids, device=device))
                 row = 0
                 for i, proposal in zip(active, proposals, strict=True):
-                    mine = chosen[row : row + len(proposal) + 1]
-                    row += len(proposal) + 1
-                    kept = 0
-                    while kept < len(proposal) and proposal[kept] == mine[kept]:
-                        kept += 1
-                    chains[i] += [*proposal[:kept], mine[kept]]
-                    last[i] = mine[kept]
+                    width = len(proposal) + 1
+                    added, q = check_proposal(
+                        logits[row : row + width],
+                        round_.rows.take(torch.full((width,), i, device=device)),
+                        round_.committed[i] + len(chains[i])
+                        + torch.arange(width, device=device), proposal)
+                    row += width
+                    kept = len(added) - 1
+                    chains[i] += added
+                    last[i] = added[-1]
+                    if q is not None:
+                        probs[i].extend(q)
                     round_.forwards[i] += 1
                     if proposal:
                         round_.proposed[i] += len(proposal)
@@ -589,6 +594,11 @@ class VeriCacheWorker(BaseSpecWorker):
         device = round_.committed.device
         round_.tokens.extend(torch.tensor([chain[step] for chain in chains], device=device)
                              for step in range(k))
+        if round_.rows.any_sampled:
+            # Verification reads q only for the requests that sample; the others get zeros.
+            zeros = logits.new_zeros(logits.shape[-1])
+            round_.draft_probs = [torch.stack([q[step] if q else zeros for q in probs])
+                                  for step in range(k)]
 
     def _verify(self, batch, round_: _Round):
         """One TARGET_VERIFY forward of [t0, d1..dk] over the full KV: the full model's logits
