@@ -99,8 +99,8 @@ class VeriCacheConfig:
             "included) or in other requests; the model over the compressed tier checks each "
             "proposal in one forward and keeps what it agrees with, and the full KV verifies "
             "as always. Suits code, agent traces and long documents, which repeat their "
-            "context. Applies to greedy requests without a grammar; the others draft one token "
-            "per forward. 'none': one token per drafting forward.",
+            "context. Requests with a grammar draft one token per forward. 'none': one token "
+            "per drafting forward.",
             "choices": DRAFTERS,
         },
     )

@@ -16,13 +16,13 @@ is not written yet):
    Sampled requests are verified by speculative rejection sampling instead (`sampling.py`):
    their emitted tokens follow exactly the distribution plain SGLang samples from.
 
-With a level-2 drafter (`--vericache-drafter`, `drafter.py`), step 1 makes the same k drafts
-with fewer forwards: the drafter proposes a few tokens, one forward of the target over the
-compressed tier checks [last draft, proposals] and keeps the proposals equal to its own greedy
-choices plus its own next token, until the draft has k tokens. Level 1's drafts are exactly
-those its one-token steps would make, so verification and output are unchanged; only the
-forwards differ. Greedy batches without a grammar stack the levels; others draft one token per
-forward.
+With a level-2 drafter (`--vericache-drafter`, `drafter.py`), step 1 makes k drafts with
+fewer forwards: the drafter proposes a few tokens, one forward of the target over the
+compressed tier checks [last draft, proposals], keeps a prefix of the proposals and adds a
+token of its own, until the draft has k tokens. Greedy and seeded drafts are exactly those
+one-token steps make; sampled drafts follow the same q (`sampling.check_proposal`), so
+verification and output are unchanged; only the forwards differ. Batches with a grammar draft
+one token per forward.
 
 A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`).
 Batches with penalties, logit bias or returned logprobs fall back to one
