@@ -110,8 +110,9 @@ class _Round:
     forwards: list[int] = field(default_factory=list)
     """Level-1 (compressed-tier) forwards each request took part in."""
     proposed: list[int] = field(default_factory=list)
-    """Tokens the level-2 drafter proposed for each request, and those level 1 kept."""
+    """Tokens the level-2 drafter proposed for each request."""
     kept: list[int] = field(default_factory=list)
+    """Of those, the tokens level 1 kept as drafts."""
 
     def chain(self) -> torch.Tensor:
         """[bs, k + 1]: t0, d1..dk."""
@@ -474,6 +475,7 @@ class VeriCacheWorker(BaseSpecWorker):
             positions=positions, locs=locs.to(torch.int64), tokens=[bonus],
             grammar=RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, k + 1),
             rows=SamplingRows.from_sampling_info(batch.sampling_info),
+            forwards=[0] * len(room), proposed=[0] * len(room), kept=[0] * len(room),
         )
 
     def _draft(self, batch, round_: _Round) -> None:
@@ -545,7 +547,6 @@ class VeriCacheWorker(BaseSpecWorker):
         chains: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # q of each draft (sampling)
         last = round_.tokens[0].tolist()
-        round_.forwards, round_.proposed, round_.kept = [0] * bs, [0] * bs, [0] * bs
         self.draft_backend.begin_round(batch.req_pool_indices.tolist(),
                                        round_.committed_cpu.tolist(), k)
         try:
@@ -647,9 +648,8 @@ class VeriCacheWorker(BaseSpecWorker):
         for i, req in enumerate(batch.reqs):
             _add_to_meta_info(req, DRAFT_FORWARDS_KEY, round_.forwards[i])
             if self.drafter is not None:
-                _add_to_meta_info(req, DRAFTER_PROPOSED_KEY,
-                                  round_.proposed[i] if round_.proposed else 0)
-                _add_to_meta_info(req, DRAFTER_KEPT_KEY, round_.kept[i] if round_.kept else 0)
+                _add_to_meta_info(req, DRAFTER_PROPOSED_KEY, round_.proposed[i])
+                _add_to_meta_info(req, DRAFTER_KEPT_KEY, round_.kept[i])
         self._add(RoundCounts(draft_forwards=sum(round_.forwards),
                               drafter_proposed=sum(round_.proposed),
                               drafter_kept=sum(round_.kept)))
