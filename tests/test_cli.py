@@ -37,7 +37,9 @@ BAD_FLAGS = {
     "fp8 KV": (["--enable-vericache", "--kv-cache-dtype", "fp8_e4m3"],
                "--kv-cache-dtype fp8_e4m3 with --enable-vericache is not supported yet"),
     "unknown drafter": (["--enable-vericache", "--vericache-drafter", "eagle"],
-                        "--vericache-drafter must be one of none, ngram"),
+                        "--vericache-drafter must be one of none, ngram, model"),
+    "grammar backend without rollback": (["--enable-vericache", "--grammar-backend", "outlines"],
+                                         "--grammar-backend outlines cannot be combined"),
     "device budget too small": (["--enable-vericache", "--max-total-tokens", "1000"],
                                 "raise --max-total-tokens"),
 }

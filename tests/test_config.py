@@ -3,9 +3,13 @@ message per invalid value."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
+from vericache_sglang.speculative.drafter import check_draft_model
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -81,7 +85,11 @@ def test_size_parsing_for_budgets():
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},
      "--vericache-staging-budget sizes the host placement"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
-    ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of none, ngram"),
+    ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of none, ngram, model"),
+    ({"vericache_drafter": "model"}, "--vericache-drafter model needs --vericache-draft-model"),
+    ({"vericache_draft_model": "/nonexistent/draft"}, "/nonexistent/draft is not a model dir"),
+    ({"vericache_drafter": "ngram", "vericache_draft_model": "/srv/draft"},
+     "cannot be combined with --vericache-drafter ngram"),
     ({"vericache_drafter": "ngram", "vericache_drafter_max_length": 64},
      "--vericache-drafter-max-length <= 32"),
     ({"vericache_drafter": "ngram", "vericache_drafter_min_length": 4,
@@ -97,3 +105,23 @@ def test_invalid_values_raise_one_clear_error(values, message):
 def test_options_without_enable_are_refused():
     with pytest.raises(VeriCacheConfigError, match="given without --enable-vericache"):
         VeriCacheConfig.build({"vericache_draft_length": 8})
+
+
+def test_a_draft_model_selects_the_model_drafter(demo_models):
+    config = VeriCacheConfig.build({"enable_vericache": True,
+                                    "vericache_draft_model": str(demo_models.draft)})
+    assert config.vericache_drafter == "model"
+
+
+def test_a_draft_model_must_share_the_target_tokenizer(demo_models, tmp_path):
+    """Same vocabulary: accepted. Two tokens' ids swapped in the draft's tokenizer: refused,
+    since its proposals would read as other tokens."""
+    check_draft_model(str(demo_models.draft), str(demo_models.target))
+    shutil.copytree(demo_models.draft, tmp_path / "draft")
+    path = tmp_path / "draft" / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["def"], vocab["class"] = vocab["class"], vocab["def"]
+    path.write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        check_draft_model(str(tmp_path / "draft"), str(demo_models.target))

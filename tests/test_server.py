@@ -93,6 +93,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_min_draft_length": 4,
         "vericache_max_draft_length": 64,
         "vericache_drafter": "none",
+        "vericache_draft_model": None,
         "vericache_drafter_min_length": 1,
         "vericache_drafter_max_length": 8,
         "vericache_full_tier": "host",

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 FULL_TIER_PLACEMENTS = ("device", "host", "disk")
-DRAFTERS = ("none", "ngram")
+DRAFTERS = ("none", "ngram", "model")
 
 MAX_DRAFTER_LENGTH = 32
 """The most tokens a level-2 drafter may propose per check: one check forward over the
@@ -99,9 +100,17 @@ class VeriCacheConfig:
             "included) or in other requests; the model over the compressed tier checks each "
             "proposal in one forward and keeps what it agrees with, and the full KV verifies "
             "as always. Suits code, agent traces and long documents, which repeat their "
-            "context. Requests with a grammar draft one token per forward. 'none': one token "
-            "per drafting forward.",
+            "context. 'model': the small model --vericache-draft-model names. Requests with a "
+            "grammar draft one token per forward. 'none': one token per drafting forward.",
             "choices": DRAFTERS,
+        },
+    )
+    vericache_draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "A small model directory (Hugging Face format, the target's tokenizer) as "
+            "the level-2 drafter: it decodes greedily on a KV cache of its own, on the "
+            "target's device and dtype, and sets --vericache-drafter model.",
         },
     )
     vericache_drafter_min_length: int = field(
@@ -177,6 +186,7 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(
                 f"--vericache-drafter must be one of {', '.join(DRAFTERS)}, "
                 f"got {self.vericache_drafter!r}")
+        self._resolve_draft_model()
         low, high = self.vericache_drafter_min_length, self.vericache_drafter_max_length
         if not 1 <= low <= high <= MAX_DRAFTER_LENGTH:
             raise VeriCacheConfigError(
@@ -205,6 +215,23 @@ class VeriCacheConfig:
         object.__setattr__(
             self, "vericache_compressor", _validated_compressor(self.vericache_compressor)
         )
+
+    def _resolve_draft_model(self) -> None:
+        """--vericache-draft-model selects the model drafter; a model drafter needs one."""
+        path = self.vericache_draft_model
+        if path is None:
+            if self.vericache_drafter == "model":
+                raise VeriCacheConfigError(
+                    "--vericache-drafter model needs --vericache-draft-model PATH")
+            return
+        if self.vericache_drafter == "ngram":
+            raise VeriCacheConfigError(
+                "--vericache-draft-model is a level-2 drafter of its own; it cannot be combined "
+                "with --vericache-drafter ngram")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise VeriCacheConfigError(
+                f"--vericache-draft-model: {path} is not a model directory (no config.json)")
+        object.__setattr__(self, "vericache_drafter", "model")
 
     @property
     def host_placement(self) -> bool:

@@ -8,11 +8,19 @@ enough for chunked prefill and a long compressed tier, short enough for a 2-core
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
+
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import (
+    DRAFT_FORWARDS_KEY,
+    DRAFTER_KEPT_KEY,
+    DRAFTER_PROPOSED_KEY,
+)
 
 NEW_TOKENS = 64
 
@@ -52,6 +60,17 @@ PROMPTS: dict[str, Callable] = {
     "chat_fnmatch": chat("What does this code do? Answer briefly.", "fnmatch", 0, 600),
     "chat_queue_docstring": chat("Write better docstrings for the classes in this code.",
                                  "queue", 0, 900),
+}
+# Constrained decoding: a chat request about real code under each kind of grammar.
+CONSTRAINED_PROMPT = chat("Describe the function textwrap.dedent as JSON with its name, "
+                          "arguments and return type.", "textwrap", 0, 800)
+CONSTRAINTS = {
+    "json_schema": {"json_schema": json.dumps({
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "arguments": {
+            "type": "array", "items": {"type": "string"}}, "returns": {"type": "string"}},
+        "required": ["name", "arguments", "returns"]})},
+    "regex": {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
 }
 LONG = [name for name in PROMPTS if name.split("_")[-1].isdigit()
         and int(name.split("_")[-1]) >= 2000]
@@ -100,3 +119,17 @@ def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, l
     assert rounds < sum(len(out["output_ids"]) for out in got) / 2
     assert accepted < drafted
     return got
+
+
+def levels(out: dict) -> tuple[int, int, int]:
+    """(level-1 forwards, level-2 proposed, level-2 kept) of one response."""
+    meta = out["meta_info"]
+    return tuple(meta[key][0] for key in (DRAFT_FORWARDS_KEY, DRAFTER_PROPOSED_KEY,
+                                          DRAFTER_KEPT_KEY))
+
+
+def vericache_metrics(server: ServerProcess) -> dict[str, float]:
+    """The server's `vericache:*` Prometheus samples, by name."""
+    text = requests.get(f"{server.url}/metrics", timeout=60).text
+    return {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vericache:")}

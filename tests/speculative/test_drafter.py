@@ -17,13 +17,16 @@ import pytest
 import requests
 
 from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import assert_batch_identical, chat, payload, send_all, stats
-from vericache_sglang.server_process import ServerProcess
-from vericache_sglang.speculative.meta_info import (
-    DRAFT_FORWARDS_KEY,
-    DRAFTER_KEPT_KEY,
-    DRAFTER_PROPOSED_KEY,
+from tests.speculative.identity import (
+    assert_batch_identical,
+    chat,
+    levels,
+    payload,
+    send_all,
+    stats,
+    vericache_metrics,
 )
+from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -33,19 +36,6 @@ def ngram_server(demo_model: Path) -> Iterator[ServerProcess]:
     with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
                                     "--vericache-drafter", "ngram"]) as server:
         yield server
-
-
-def _levels(out: dict) -> tuple[int, int, int]:
-    """(level-1 forwards, level-2 proposed, level-2 kept) of one response."""
-    meta = out["meta_info"]
-    return tuple(meta[key][0] for key in (DRAFT_FORWARDS_KEY, DRAFTER_PROPOSED_KEY,
-                                          DRAFTER_KEPT_KEY))
-
-
-def _metrics(server: ServerProcess) -> dict[str, float]:
-    text = requests.get(f"{server.url}/metrics", timeout=60).text
-    return {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("vericache:")}
 
 
 def test_token_dropping_tier(demo_model, plain, prompt_ids):
@@ -61,7 +51,7 @@ def test_token_dropping_tier(demo_model, plain, prompt_ids):
     ]) as server:
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
                                      "snapkv:ratio=0.5, k=8 + ngram")
-    assert sum(_levels(out)[2] for out in got) > 0
+    assert sum(levels(out)[2] for out in got) > 0
 
 
 def test_real_prompts_in_one_batch(ngram_server, plain, prompt_ids):
@@ -72,7 +62,7 @@ def test_real_prompts_in_one_batch(ngram_server, plain, prompt_ids):
              "chat_palindrome", "chat_list_tuple", "chat_fnmatch"]
     got = assert_batch_identical(ngram_server, plain, {name: prompt_ids[name] for name in names},
                                  "kivi:bits=4 + ngram")
-    forwards, proposed, kept = (sum(column) for column in zip(*map(_levels, got), strict=True))
+    forwards, proposed, kept = (sum(column) for column in zip(*map(levels, got), strict=True))
     drafted = sum(stats(out)[1] for out in got)
     print(f"\n  level 1: {forwards} forwards for {drafted} drafts; "
           f"level 2: {kept}/{proposed} proposals kept")
@@ -92,16 +82,16 @@ def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer)
     batch = [payload(prompt_ids["csv_700"], "code", max_new_tokens=96, stop=["\n\n"]),
              payload(prompt_ids["bisect_300"], "code", max_new_tokens=64, stop=["return"]),
              payload(ids, "chat", max_new_tokens=64, json_schema=schema)]
-    before = _metrics(ngram_server)
+    before = vericache_metrics(ngram_server)
     got = send_all(ngram_server, batch)
-    after = _metrics(ngram_server)
+    after = vericache_metrics(ngram_server)
     for request, out in zip(batch, got, strict=True):
         assert out["output_ids"] == plain(request)["output_ids"]
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
-    assert delta["vericache:draft_forwards_total"] == sum(_levels(out)[0] for out in got)
-    assert delta["vericache:drafter_proposed_total"] == sum(_levels(out)[1] for out in got)
-    assert delta["vericache:drafter_kept_total"] == sum(_levels(out)[2] for out in got)
-    assert _levels(got[2])[1] == 0  # the grammar request drafted one token per forward
+    assert delta["vericache:draft_forwards_total"] == sum(levels(out)[0] for out in got)
+    assert delta["vericache:drafter_proposed_total"] == sum(levels(out)[1] for out in got)
+    assert delta["vericache:drafter_kept_total"] == sum(levels(out)[2] for out in got)
+    assert levels(got[2])[1] == 0  # the grammar request drafted one token per forward
 
     request = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
     response = requests.post(f"{ngram_server.url}/generate", json={**request, "stream": True},
@@ -126,4 +116,4 @@ def test_sampled_requests_stack_beside_greedy_ones(ngram_server, plain, prompt_i
     for out in got[2:]:
         rounds, _, accepted = stats(out)
         assert len(out["output_ids"]) == 48 == 1 + accepted + rounds
-    assert sum(_levels(out)[1] for out in got[2:]) > 0
+    assert sum(levels(out)[1] for out in got[2:]) > 0

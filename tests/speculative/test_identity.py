@@ -16,7 +16,16 @@ import pytest
 import requests
 
 from tests.conftest import SERVER_ARGS, stdlib_source
-from tests.speculative.identity import assert_batch_identical, chat, payload, send_all, stats
+from tests.speculative.identity import (
+    CONSTRAINED_PROMPT,
+    CONSTRAINTS,
+    assert_batch_identical,
+    chat,
+    payload,
+    send_all,
+    stats,
+    vericache_metrics,
+)
 from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
 
@@ -44,11 +53,11 @@ def test_requests_over_a_cached_prefix_compress_it_once(vericache_server, plain,
                  for i, tail in enumerate(tails)]
     expected = [out["output_ids"] for out in plain.all(requests_)]
     vericache_server.flush_cache()
-    before = _vericache_metrics(vericache_server)
+    before = vericache_metrics(vericache_server)
     first = vericache_server.generate(requests_[0])
-    after_first = _vericache_metrics(vericache_server)
+    after_first = vericache_metrics(vericache_server)
     got = send_all(vericache_server, requests_[1:])
-    after = _vericache_metrics(vericache_server)
+    after = vericache_metrics(vericache_server)
 
     assert [out["output_ids"] for out in [first, *got]] == expected
     assert all(out["meta_info"]["cached_tokens"] >= 1999 for out in got)
@@ -101,20 +110,11 @@ def test_sglang_gauges_see_the_running_request(vericache_server, plain_server, p
         assert _most_running_while_streaming(server, request) == 1, server.argv
 
 
-@pytest.mark.parametrize("constraint", [
-    {"json_schema": json.dumps({
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "arguments": {
-            "type": "array", "items": {"type": "string"}}, "returns": {"type": "string"}},
-        "required": ["name", "arguments", "returns"]})},
-    {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
-], ids=["json_schema", "regex"])
+@pytest.mark.parametrize("constraint", CONSTRAINTS.values(), ids=CONSTRAINTS.keys())
 def test_constrained_decoding(vericache_server, plain, tokenizer, constraint):
     """The grammar masks the drafts and the verification alike: same tokens as plain SGLang,
     and drafting still happens."""
-    ids = chat("Describe the function textwrap.dedent as JSON with its name, arguments and "
-               "return type.", "textwrap", 0, 800)(tokenizer)
-    request = payload(ids, "chat", max_new_tokens=64, **constraint)
+    request = payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=64, **constraint)
     out = vericache_server.generate(request)
     assert out["output_ids"] == plain(request)["output_ids"]
     rounds, drafted, accepted = stats(out)
@@ -187,9 +187,9 @@ def test_flush_cache_between_requests(vericache_server, plain, prompt_ids):
     gauges show at once); the same request afterwards is answered identically."""
     request = payload(prompt_ids["textwrap_2000"][:600], "code", max_new_tokens=32)
     first = vericache_server.generate(request)
-    assert _vericache_metrics(vericache_server)["vericache:compressed_pool_pages"] > 0
+    assert vericache_metrics(vericache_server)["vericache:compressed_pool_pages"] > 0
     vericache_server.flush_cache()
-    idle = _vericache_metrics(vericache_server)
+    idle = vericache_metrics(vericache_server)
     assert idle["vericache:compressed_pool_pages"] == 0
     assert idle["vericache:compressed_tier_bytes"] == 0
     second = vericache_server.generate(request)
@@ -197,21 +197,11 @@ def test_flush_cache_between_requests(vericache_server, plain, prompt_ids):
     assert second["meta_info"]["cached_tokens"] == 0
 
 
-def _vericache_metrics(server: ServerProcess) -> dict[str, float]:
-    text = requests.get(f"{server.url}/metrics", timeout=60).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("vericache:"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
-    return values
-
-
 def test_metrics_count_what_meta_info_reports(vericache_server, prompt_ids):
     """/metrics (--enable-metrics) counts exactly the rounds and drafts meta_info reports."""
-    before = _vericache_metrics(vericache_server)
+    before = vericache_metrics(vericache_server)
     out = vericache_server.generate(payload(prompt_ids["bisect_300"], "code", max_new_tokens=40))
-    after = _vericache_metrics(vericache_server)
+    after = vericache_metrics(vericache_server)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     rounds, drafted, accepted = stats(out)
     assert delta["vericache:verify_rounds_total"] == rounds
@@ -223,7 +213,7 @@ def test_metrics_count_what_meta_info_reports(vericache_server, prompt_ids):
 
 @pytest.mark.parametrize("ending", [
     {"stop": ["progress"]},
-    {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
+    CONSTRAINTS["regex"],
 ], ids=["stop_string", "grammar"])
 def test_counters_stop_where_the_output_stops(vericache_server, plain, prompt_ids, tokenizer,
                                               ending):
@@ -235,9 +225,9 @@ def test_counters_stop_where_the_output_stops(vericache_server, plain, prompt_id
            chat("Write a Python function that merges two sorted lists, with a docstring.",
                 "heapq", 0, 400)(tokenizer))
     request = payload(ids, "code" if "stop" in ending else "chat", max_new_tokens=96, **ending)
-    before = _vericache_metrics(vericache_server)
+    before = vericache_metrics(vericache_server)
     out = vericache_server.generate(request)
-    after = _vericache_metrics(vericache_server)
+    after = vericache_metrics(vericache_server)
     assert out["output_ids"] == plain(request)["output_ids"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
     delta = {name: after[name] - before.get(name, 0.0) for name in after}

@@ -19,6 +19,7 @@ from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorith
 from vericache_sglang import startup
 from vericache_sglang.config import get_config
 from vericache_sglang.speculative import settle
+from vericache_sglang.speculative.drafter import check_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,12 @@ def configure(server_args: Any) -> None:
     if server_args.speculative_algorithm == ALGORITHM:
         return  # configured already
     _refuse_what_vericache_sets(server_args)
+    if config.vericache_draft_model is not None:
+        try:
+            check_draft_model(config.vericache_draft_model,
+                              server_args.tokenizer_path or server_args.model_path)
+        except ValueError as e:
+            raise startup.error(f"--vericache-draft-model: {e}") from None
     longest = config.vericache_max_draft_length
     if server_args.context_length is not None and longest + 1 >= server_args.context_length:
         raise startup.error(
@@ -142,6 +149,10 @@ SET_BY_VERICACHE = {
 
 QUANTIZED_KV_DTYPES = ("fp8", "mxfp8", "nvfp4", "fp4")
 
+GRAMMAR_BACKENDS_WITHOUT_ROLLBACK = ("outlines",)
+"""SGLang grammar backends whose grammar objects lack `rollback`: a round advances a request's
+grammar over its drafts and must undo that (`grammar.py`)."""
+
 
 def _refuse_what_vericache_sets(server_args: Any) -> None:
     """One line for a user's value VeriCache would otherwise override without a word."""
@@ -154,6 +165,11 @@ def _refuse_what_vericache_sets(server_args: Any) -> None:
             f"--kv-cache-dtype {server_args.kv_cache_dtype} with --enable-vericache is not "
             "supported yet: the full KV verification reads is the model's own precision "
             "(use --kv-cache-dtype auto; the compressed tier is VeriCache's quantized form)")
+    if server_args.grammar_backend in GRAMMAR_BACKENDS_WITHOUT_ROLLBACK:
+        raise startup.error(
+            f"--grammar-backend {server_args.grammar_backend} cannot be combined with "
+            "--enable-vericache: its grammars cannot roll back a rejected draft "
+            "(use xgrammar, the default, or llguidance)")
     if not server_args.disable_overlap_schedule:
         logger.info("VeriCache runs without SGLang's overlap scheduler: a round starts from the "
                     "tokens the previous round verified")

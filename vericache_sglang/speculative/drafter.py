@@ -12,7 +12,13 @@ The worker owns its drafter, as SGLang's NGRAM worker owns its `NgramCorpus`.
 from __future__ import annotations
 
 import abc
+from bisect import bisect_left
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from vericache_sglang.compress.base import storage_bytes
 
 PAD_TOKEN = 0
 """What `NgramCorpus` fills a draft with where it has no match."""
@@ -40,6 +46,10 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def forget(self, rid: str) -> None:
         """Drop a finished request's state."""
+
+    def device_bytes(self) -> int:
+        """Device bytes the drafter holds beyond the target's (weights, its own KV)."""
+        return 0
 
 
 class NgramDrafter(Drafter):
@@ -101,10 +111,150 @@ class NgramDrafter(Drafter):
         self.corpus.erase_match_state([rid])
 
 
-def build_drafter(name: str, max_length: int) -> Drafter | None:
+@dataclass
+class _DraftSequence:
+    """A request as the draft model has read it: the tokens whose K/V its cache holds, and
+    its logits for the token after them."""
+
+    cache: Any
+    tokens: list[int] = field(default_factory=list)
+    next_logits: torch.Tensor | None = None
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM sharing the target's tokenizer (`--vericache-draft-model`), decoding
+    greedily on a KV cache of its own per request.
+
+    Each proposal first brings the request's cache up to the context it is given: the cache
+    keeps the longest prefix it shares with the context (what level 1 kept) and is cut there,
+    so a rejected proposal's K/V is gone before the next one is made. The model runs through
+    `transformers` on the target's device and dtype; where its input embedding equals the
+    target's, it reads the target's tensor instead of holding a second copy.
+    """
+
+    name = "model"
+    context = 1 << 62
+    """The whole request: the model's cache covers it."""
+
+    def __init__(self, path: str, device: torch.device | str, dtype: torch.dtype,
+                 target_embedding: torch.Tensor | None = None, chunk: int = 512) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True).to(device).eval()
+        self.chunk = chunk  # prompt tokens per forward: bounds the attention scores' size
+        self.shared_embedding = self._share_embedding(target_embedding)
+        self._seqs: dict[str, _DraftSequence] = {}
+
+    def _share_embedding(self, target: torch.Tensor | None) -> bool:
+        """Point the draft model's input embedding (and a head tied to it) at the target's
+        tensor when they hold the same values: a vocabulary-sized matrix not stored twice."""
+        own = self.model.get_input_embeddings()
+        if (target is None or target.shape != own.weight.shape or target.dtype != own.weight.dtype
+                or target.device != own.weight.device or not torch.equal(target, own.weight)):
+            return False
+        tied = self.model.get_output_embeddings()
+        shared = torch.nn.Parameter(target, requires_grad=False)
+        if tied is not None and tied.weight is own.weight:
+            tied.weight = shared
+        own.weight = shared
+        return True
+
+    def observe(self, reqs: list[Any]) -> None:
+        """Nothing to do ahead: `propose` reads each request's context into the cache."""
+
+    @torch.inference_mode()
+    def propose(self, rids: list[str], contexts: list[list[int]], total_lens: list[int],
+                lengths: list[int]) -> list[list[int]]:
+        return [self._propose(rid, context, length) if length > 0 and context else []
+                for rid, context, length in zip(rids, contexts, lengths, strict=True)]
+
+    def _propose(self, rid: str, context: list[int], length: int) -> list[int]:
+        seq = self._seqs.get(rid)
+        if seq is None:
+            from transformers import DynamicCache
+
+            seq = self._seqs[rid] = _DraftSequence(DynamicCache(config=self.model.config))
+        logits = self._read(seq, context)
+        proposal: list[int] = []
+        while True:
+            proposal.append(int(logits.argmax()))
+            if len(proposal) == length:
+                return proposal
+            logits = self._feed(seq, proposal[-1:])
+
+    def _read(self, seq: _DraftSequence, context: list[int]) -> torch.Tensor:
+        """The draft model's logits after `context`, its cache cut to what it shares with it."""
+        keep = _shared_prefix(seq.tokens, context)
+        if keep == len(seq.tokens) == len(context) and seq.next_logits is not None:
+            return seq.next_logits
+        keep = min(keep, len(context) - 1)  # at least one token to feed, for its logits
+        if keep < len(seq.tokens):
+            seq.cache.crop(keep - len(seq.tokens))
+            del seq.tokens[keep:]
+        logits = None
+        for start in range(keep, len(context), self.chunk):
+            logits = self._feed(seq, context[start:start + self.chunk])
+        return logits
+
+    def _feed(self, seq: _DraftSequence, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` after the cached ones; their K/V join the cache."""
+        ids = torch.tensor([tokens], device=self.model.device)
+        out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
+                         logits_to_keep=1)
+        seq.tokens.extend(tokens)
+        seq.next_logits = out.logits[0, -1]
+        return seq.next_logits
+
+    def forget(self, rid: str) -> None:
+        self._seqs.pop(rid, None)
+
+    def device_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        for seq in self._seqs.values():
+            for layer in seq.cache.layers:
+                tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        total = storage_bytes(tensors)
+        if self.shared_embedding:
+            total -= storage_bytes([self.model.get_input_embeddings().weight])
+        return total
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of `a` and `b` (list slices compare in C; a
+    binary search over them beats a Python loop on long requests)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    # The first mismatch is the least m with a[:m + 1] != b[:m + 1].
+    return bisect_left(range(n), True, key=lambda m: a[:m + 1] != b[:m + 1])
+
+
+def check_draft_model(path: str, tokenizer_path: str) -> None:
+    """Refuse a draft model whose tokenizer maps text to other ids than the target's: its
+    proposals would be other tokens than they read as. Raises ValueError with the reason."""
+    from transformers import AutoTokenizer
+
+    def vocab(where: str) -> dict[str, int]:
+        try:
+            return AutoTokenizer.from_pretrained(where, local_files_only=True).get_vocab()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the tokenizer of {where}: {e}") from None
+
+    if vocab(path) != vocab(tokenizer_path):
+        raise ValueError(f"{path} does not share the target's tokenizer ({tokenizer_path})")
+
+
+def build_drafter(name: str, max_length: int, *, model_path: str | None = None,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  target_embedding: torch.Tensor | None = None) -> Drafter | None:
     """The level-2 drafter `--vericache-drafter` names (None for 'none')."""
     if name == "none":
         return None
     if name == "ngram":
         return NgramDrafter(max_length)
+    if name == "model":
+        if model_path is None:
+            raise ValueError("the model drafter needs a model path")
+        return ModelDrafter(model_path, device, dtype, target_embedding)
     raise ValueError(f"unknown drafter {name!r}")

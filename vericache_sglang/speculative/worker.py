@@ -139,8 +139,12 @@ class VeriCacheWorker(BaseSpecWorker):
         )
         self.max_draft_length = config.vericache_max_draft_length
         # Level 2: a cheaper proposer under the compressed-KV drafter, with its own lengths.
-        self.drafter = build_drafter(config.vericache_drafter,
-                                     config.vericache_drafter_max_length)
+        embedding = getattr(self.model_runner.model, "get_input_embeddings", None)
+        self.drafter = build_drafter(
+            config.vericache_drafter, config.vericache_drafter_max_length,
+            model_path=config.vericache_draft_model, device=self.device,
+            dtype=self.model_runner.dtype,
+            target_embedding=embedding().weight if embedding is not None else None)
         self.drafter_policy = DraftLengthPolicy(
             initial=config.vericache_drafter_max_length,
             minimum=config.vericache_drafter_min_length,
@@ -177,7 +181,8 @@ class VeriCacheWorker(BaseSpecWorker):
                         if server_args.enable_metrics else None)
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d), drafter %s",
                     self.compressor.spec(), self.policy.initial, self.policy.minimum,
-                    self.policy.maximum, config.vericache_drafter)
+                    self.policy.maximum,
+                    config.vericache_draft_model or config.vericache_drafter)
 
     # -- SGLang worker interface ---------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -280,6 +285,9 @@ class VeriCacheWorker(BaseSpecWorker):
             "full_tier": self.placement,
             "device_bytes": self.device_bytes(),
             "device_budget_bytes": None if self.plan is None else self.plan.device_budget_bytes,
+            # A draft model's weights (less what it shares with the target) and its own KV:
+            # outside the KV budget, as the target's weights are.
+            "drafter_device_bytes": 0 if self.drafter is None else self.drafter.device_bytes(),
             "full_kv_tokens_used": self.model_runner.max_total_num_tokens
             - allocator.available_size(),
             "compressed_pool_pages_used": 0 if self.pool is None else self.pool.used_pages,
