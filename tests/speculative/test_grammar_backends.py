@@ -1,0 +1,51 @@
+"""Constrained decoding on each SGLang grammar backend that can roll a grammar back.
+
+A round advances each request's grammar over its drafts and rolls it back before
+verification (`vericache_sglang/speculative/grammar.py`). xgrammar, SGLang's default, is what
+test_identity.py's constrained tests run on; here llguidance, against plain SGLang on the
+same backend (backends compile a schema to different token masks, so each is compared with
+itself). outlines has no rollback and is refused at startup (test_cli.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SERVER_ARGS
+from tests.speculative.identity import (
+    CONSTRAINED_PROMPT,
+    CONSTRAINTS,
+    payload,
+    send_all,
+    stats,
+)
+from vericache_sglang.server_process import ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def llguidance_servers(demo_model: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """(plain SGLang, VeriCache), both with --grammar-backend llguidance."""
+    args = [*SERVER_ARGS, "--grammar-backend", "llguidance"]
+    with ServerProcess(demo_model, args) as plain, \
+            ServerProcess(demo_model, [*args, "--enable-vericache"]) as vericache:
+        yield plain, vericache
+
+
+def test_llguidance_grammars_draft_and_equal_plain(llguidance_servers, tokenizer):
+    """A JSON schema and a regex, in one batch: plain SGLang's tokens under llguidance, and
+    each request drafted (so its grammar was advanced over drafts and rolled back)."""
+    plain, vericache = llguidance_servers
+    batch = [payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=64, **constraint)
+             for constraint in CONSTRAINTS.values()]
+    expected = send_all(plain, batch)
+    got = send_all(vericache, batch)
+    for name, want, out in zip(CONSTRAINTS, expected, got, strict=True):
+        assert out["output_ids"] == want["output_ids"], name
+        assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], name
+        rounds, drafted, _ = stats(out)
+        assert drafted > 0 and rounds < len(out["output_ids"]), name
