@@ -211,6 +211,30 @@ def test_metrics_count_what_meta_info_reports(vericache_server, prompt_ids):
     assert after["vericache:compressed_tier_bytes"] > 0
 
 
+def test_sglang_accept_rate_counts_the_drafts_proposed(vericache_server, prompt_ids):
+    """SGLang's own figures count the drafts a round really proposed, not the longest draft
+    (--speculative-num-draft-tokens - 1, which VeriCache sets to its bound): meta_info's
+    spec_num_proposed_drafts equals VeriCache's drafted-tokens counter, its accept rate is
+    accepted over that, and so is sglang:spec_accept_rate for a one-round request (the gauge
+    holds the last step's rate)."""
+    def accept_rate_gauge() -> float:
+        text = requests.get(f"{vericache_server.url}/metrics", timeout=60).text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("sglang:spec_accept_rate"))
+
+    for max_new_tokens in (40, 5):
+        before = vericache_metrics(vericache_server)
+        out = vericache_server.generate(payload(prompt_ids["bisect_300"], "code",
+                                                max_new_tokens=max_new_tokens))
+        drafted = (vericache_metrics(vericache_server)["vericache:drafted_tokens_total"]
+                   - before["vericache:drafted_tokens_total"])
+        meta = out["meta_info"]
+        assert meta["spec_num_proposed_drafts"] == drafted > 0
+        assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / drafted)
+    assert meta["spec_verify_ct"] == 1, "the 5-token request should take one round"
+    assert accept_rate_gauge() == pytest.approx(meta["spec_accept_rate"])
+
+
 @pytest.mark.parametrize("ending", [
     {"stop": ["progress"]},
     CONSTRAINTS["regex"],

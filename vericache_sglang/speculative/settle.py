@@ -8,6 +8,11 @@ past the end, and plain SGLang never generates them. This hook runs for each req
 after SGLang settled its finish state (and before its output is streamed), takes back what was
 counted past the end, and tells the worker what the round really emitted for VeriCache's own
 counters.
+
+SGLang also takes the drafts a round proposed to be `--speculative-num-draft-tokens` - 1, which
+VeriCache sets to its longest draft; its rounds adapt their length and report what they really
+drafted as each request's cap tokens. The accept rate in `meta_info` (with
+`spec_num_proposed_drafts`) and `sglang:spec_accept_rate` are recomputed from those.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from vericache_sglang.config import get_config
+
 PROCESSOR = ("sglang.srt.managers.scheduler_components.batch_result_processor"
              ".SchedulerBatchResultProcessor")
 SETTLE_TARGET = f"{PROCESSOR}._handle_finish_state_updated_req"
 REPORT_TARGET = ("sglang.srt.managers.scheduler_components.metrics_reporter"
                  ".SchedulerMetricsReporter.report_decode_stats")
+META_INFO_TARGET = ("sglang.srt.managers.tokenizer_manager.TokenizerManager"
+                    "._calculate_spec_decoding_metrics")
 _UNSETTLED = "_vericache_tokens_past_the_end"
 """Tokens of this step's runs cut off by a finish, kept on the metrics reporter until its
 decode stats (the realtime token counter) are reported."""
@@ -59,13 +68,35 @@ def _settle(original, processor, req, batch, result, i: int, logits_output) -> A
 
 
 def _report(original, reporter, can_run_cuda_graph, running_batch=None,
-            num_generated_tokens: int = 0) -> Any:
+             num_generated_tokens: int = 0) -> Any:
     num_generated_tokens -= getattr(reporter, _UNSETTLED, 0)
     setattr(reporter, _UNSETTLED, 0)
-    return original(reporter, can_run_cuda_graph, running_batch=running_batch,
-                    num_generated_tokens=num_generated_tokens)
+    correct, drafted = reporter.spec_num_correct_drafts, reporter.spec_num_cap_tokens
+    result = original(reporter, can_run_cuda_graph, running_batch=running_batch,
+                      num_generated_tokens=num_generated_tokens)
+    # The interval's counts were reported (and reset) by this call: its accept rate over the
+    # drafts really proposed.
+    if (hasattr(reporter.scheduler.draft_worker, "settle_round") and drafted
+            and reporter.spec_num_cap_tokens == 0):
+        reporter.stats.spec_accept_rate = correct / drafted
+        if reporter.enable_metrics:
+            collector = reporter.metrics_collector
+            collector._log_gauge(collector.spec_accept_rate, reporter.stats.spec_accept_rate)
+    return result
+
+
+def _spec_meta_info(original, manager, meta_info: dict[str, Any], recv_obj: Any, i: int) -> Any:
+    result = original(manager, meta_info, recv_obj, i)
+    if (get_config(manager.server_args).enable_vericache
+            and "spec_num_proposed_drafts" in meta_info):
+        drafted = recv_obj.spec_num_cap_tokens[i]
+        meta_info["spec_num_proposed_drafts"] = drafted
+        meta_info["spec_accept_rate"] = (meta_info["spec_num_correct_drafts"] / drafted
+                                         if drafted else 0.0)
+    return result
 
 
 def register() -> None:
     HookRegistry.register(SETTLE_TARGET, _settle, HookType.AROUND)
     HookRegistry.register(REPORT_TARGET, _report, HookType.AROUND)
+    HookRegistry.register(META_INFO_TARGET, _spec_meta_info, HookType.AROUND)
