@@ -6,15 +6,16 @@ batch 4, greedy, float32. Each prompt is sent once with one new token first, so 
 request finds its prompt in the radix cache and its time is decode time.
 
 Servers: plain SGLang; VeriCache with a 4-bit tier drafting one token per forward; the same
-with SGLang's n-gram corpus proposing under it (`--vericache-drafter ngram`); and SGLang's own
-NGRAM speculative decoding where it starts on this machine. Per server and workload: output
-tokens per second of decoding, target-model forwards per emitted token (VeriCache: level-1
-forwards over the compressed tier plus verification forwards, per request), and E at each
-level: tokens per verification (level 0), drafts per level-1 forward (level 1), proposals
-level 1 kept (level 2). Every output is compared with plain SGLang's.
+with SGLang's n-gram corpus proposing under it (`--vericache-drafter ngram`); the same with the
+distilled draft model proposing (`--vericache-draft-model`, vericache_sglang/distill.py); and
+SGLang's own NGRAM speculative decoding where it starts on this machine. Per server and
+workload: output tokens per second of decoding, target-model forwards per emitted token
+(VeriCache: level-1 forwards over the compressed tier plus verification forwards, per
+request), and E at each level: tokens per verification (level 0), drafts per level-1 forward
+(level 1), proposals level 1 kept (level 2). Every output is compared with plain SGLang's.
 
     .venv/bin/python -m bench.multilevel [--full-tier host|device] [--workloads "code, batch 1"]
-        [--write-docs docs/drafting.md]
+        [--servers "VeriCache + ngram"] [--write-docs docs/drafting.md]
 """
 
 from __future__ import annotations
@@ -111,11 +112,15 @@ def main() -> None:
                         help="--vericache-full-tier of the VeriCache servers (default: host)")
     parser.add_argument("--workloads", nargs="+", metavar="NAME",
                         help="run only these workloads (e.g. 'code, batch 1'; default: all)")
+    parser.add_argument("--servers", nargs="+", metavar="NAME",
+                        help="run only these servers besides plain SGLang (the reference; "
+                        f"default: all of {', '.join(SERVERS)}, VeriCache + draft model)")
     parser.add_argument("--write-docs", type=Path, help="docs page with a multilevel section "
                         "(multilevel-host or multilevel-device, after --full-tier)")
     args = parser.parse_args()
 
-    model = models.prepare().target
+    prepared = models.prepare()
+    model = prepared.target
     tokenizer = AutoTokenizer.from_pretrained(model)
     workloads = _workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
     if args.workloads:
@@ -123,8 +128,15 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(workloads)}")
         workloads = {name: workloads[name] for name in args.workloads}
+    chosen = {**SERVERS, "VeriCache + draft model": [
+        *VERICACHE, "--vericache-draft-model", str(prepared.drafter)]}
+    if args.servers:
+        unknown = set(args.servers) - set(chosen)
+        if unknown:
+            parser.error(f"unknown servers {sorted(unknown)}; choose from {list(chosen)}")
+        chosen = {name: chosen[name] for name in ["plain SGLang", *args.servers]}
     servers = {name: [*extra, "--vericache-full-tier", args.full_tier]
-               if "--enable-vericache" in extra else extra for name, extra in SERVERS.items()}
+               if "--enable-vericache" in extra else extra for name, extra in chosen.items()}
     results: dict[str, dict[str, dict] | str] = {}
     for name, extra in servers.items():
         print(f"[bench] {name} ...", flush=True)
@@ -150,7 +162,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in workloads:
-        for name in SERVERS:
+        for name in servers:
             row = results[name]
             if isinstance(row, str):
                 continue

@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--vericache-compressor for the server (default: %(default)s)")
     parser.add_argument("--draft-length", type=int, default=16,
                         help="--vericache-draft-length for the server (default: %(default)s)")
-    parser.add_argument("--drafter", default="ngram", choices=["none", "ngram"],
-                        help="--vericache-drafter for the server (default: %(default)s)")
+    parser.add_argument("--drafter", default="ngram", choices=["none", "ngram", "model"],
+                        help="--vericache-drafter for the server; 'model' serves the distilled "
+                        "drafter built from the package's weights as --vericache-draft-model "
+                        "(default: %(default)s)")
     parser.add_argument("--dtype", default=None,
                         help="--dtype for the server (default: float32 without a GPU, where "
                         "bf16 matmuls are emulated and slower; else the model's)")
@@ -79,15 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="characters of textwrap.py used as the long prompt")
     args = parser.parse_args(argv)
 
-    model = models.prepare().target
+    prepared = models.prepare()
+    model = prepared.target
     print(f"model: {model}")
+    drafter = (["--vericache-draft-model", str(prepared.drafter)] if args.drafter == "model"
+               else ["--vericache-drafter", args.drafter])
     dtype = args.dtype or ("auto" if nvidia_gpu_present() else "float32")
     server = ServerProcess(model, [
         "--dtype", dtype,
         "--enable-vericache",
         "--vericache-compressor", args.compressor,
         "--vericache-draft-length", str(args.draft_length),
-        "--vericache-drafter", args.drafter,
+        *drafter,
     ])
     print(f"starting SGLang with --enable-vericache on {server.url} (log: {server.log_path}) ...")
     with server:

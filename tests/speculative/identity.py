@@ -2,8 +2,8 @@
 (tests/speculative/test_identity*.py).
 
 The prompts are real: code continuation over Python standard library sources and chat
-instructions about them, four of them 2,000-6,000 tokens long (2,000-2,600: long
-enough for chunked prefill and a long compressed tier, short enough for a 2-core CI).
+instructions about them, four of them 2,000-2,600 tokens long (chunked prefill and a long
+compressed tier), and one of 4,200 tokens sent on its own.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ CONSTRAINTS = {
             "type": "array", "items": {"type": "string"}}, "returns": {"type": "string"}},
         "required": ["name", "arguments", "returns"]})},
     "regex": {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
+}
+# 4,000-6,000 tokens, sent on their own (CI time): a chat here, code continuation after 6,000
+# tokens in test_full_tier.py.
+LONGEST: dict[str, Callable] = {
+    "chat_tarfile_4200": chat("Summarize what this code does, class by class.",
+                              "tarfile", 0, 4200),
 }
 LONG = [name for name in PROMPTS if name.split("_")[-1].isdigit()
         and int(name.split("_")[-1]) >= 2000]

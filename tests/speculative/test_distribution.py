@@ -1,18 +1,20 @@
 """Sampled requests served by VeriCache follow plain SGLang's output distribution.
 
 Real servers, the demo model in float32 with the shared test arguments (`--random-seed 0`):
-the session's plain SGLang server, then VeriCache with 2-bit KIVI (32 full-precision recent
-tokens) and a fixed draft length of 4, lossy enough that many drafts are rejected, started
-and stopped here. Both answer the same batch: `SAMPLES` samples (`n`) of `NEW_TOKENS` tokens
-after a real prompt for each sampling configuration, and one greedy request (which must equal
-plain greedy output, token for token, while sharing rounds with sampled requests).
+the session's plain SGLang server; VeriCache with 2-bit KIVI (32 full-precision recent tokens)
+and a fixed draft length of 4, lossy enough that many drafts are rejected; and the same with an
+untrained draft model proposing under level 1 (each started and stopped here). All answer the
+same batch: `SAMPLES` samples (`n`) of `NEW_TOKENS` tokens after a real prompt for each
+sampling configuration, and one greedy request (which must equal plain greedy output, token
+for token, while sharing rounds with sampled requests).
 
-For each configuration and each output position, a two-sample chi-square test compares the
-token counts of the two servers; tokens seen fewer than `MIN_CELL` times in both samples
-together are pooled into one cell, so every cell expects about 5 or more per server. Position
-0 comes from prefill on both servers (a control); positions 1.. come from VeriCache's draft and
-verify rounds. Each of the M tests fails at p < `FAMILY_ALPHA` / M, so under exact sampling the
-module fails with probability below `FAMILY_ALPHA` = 1e-3 (Bonferroni).
+For each VeriCache configuration, sampling configuration and output position, a two-sample
+chi-square test compares the token counts with plain SGLang's; tokens seen fewer than
+`MIN_CELL` times in both samples together are pooled into one cell, so every cell expects about
+5 or more per server. Position 0 comes from prefill on both servers (a control); positions 1..
+come from VeriCache's draft and verify rounds. Each of the M tests fails at p < `FAMILY_ALPHA`
+/ M, so under exact sampling the module fails with probability below `FAMILY_ALPHA` = 1e-3
+(Bonferroni).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from scipy.stats import chi2_contingency
@@ -28,6 +29,7 @@ from scipy.stats import chi2_contingency
 from tests.conftest import SERVER_ARGS
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import DRAFTER_PROPOSED_KEY
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -45,6 +47,8 @@ VERICACHE_ARGS = [*SERVER_ARGS, "--watchdog-timeout", "3600", "--enable-vericach
                   "--vericache-compressor", "kivi:bits=2,group=32,residual=32",
                   "--vericache-draft-length", "4",
                   "--vericache-min-draft-length", "4", "--vericache-max-draft-length", "4"]
+VARIANTS = ("one level", "draft model")
+"""The VeriCache configurations compared with plain SGLang (`runs`)."""
 
 
 def _answers(server: ServerProcess, ids: list[int]) -> dict[str, list[dict]]:
@@ -62,18 +66,24 @@ def _answers(server: ServerProcess, ids: list[int]) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def runs(demo_model: Path, plain_server: ServerProcess) -> dict[str, dict[str, list[dict]]]:
-    """Plain SGLang's and VeriCache's answers to the same batch."""
+def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[dict]]]:
+    """Plain SGLang's answers to the batch, and each VeriCache configuration's: one level, and
+    the untrained 4-layer draft model proposing under it (level 1 checks its point-mass
+    proposals by speculative sampling, nearly always drawing from q without the proposal)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    tokenizer = AutoTokenizer.from_pretrained(demo_models.target)
     # The json module's docstring, cut inside an example: several likely tokens per position.
     ids = stdlib_ids(tokenizer, "json", PROMPT_TOKENS)
     result = {"plain": _answers(plain_server, ids)}
-    with ServerProcess(demo_model, VERICACHE_ARGS) as server:
-        began = time.monotonic()
-        result["vericache"] = _answers(server, ids)
-        print(f"\n[vericache] batch answered in {time.monotonic() - began:.0f} s")
+    variants = {"one level": VERICACHE_ARGS,
+                "draft model": [*VERICACHE_ARGS, "--vericache-draft-model",
+                                str(demo_models.draft), "--vericache-drafter-max-length", "2"]}
+    for name, args in variants.items():
+        with ServerProcess(demo_models.target, args) as server:
+            began = time.monotonic()
+            result[name] = _answers(server, ids)
+            print(f"\n[{name}] batch answered in {time.monotonic() - began:.0f} s")
     return result
 
 
@@ -90,12 +100,13 @@ def _two_sample_pvalue(a: list[int], b: list[int]) -> tuple[float, int]:
     return float(chi2_contingency(rows, correction=False).pvalue), len(rows[0])
 
 
-def test_sampled_tokens_follow_plain_sglangs_distribution(runs):
-    tests = len(CONFIGS) * NEW_TOKENS
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sampled_tokens_follow_plain_sglangs_distribution(runs, variant):
+    tests = len(VARIANTS) * len(CONFIGS) * NEW_TOKENS
     report, failures, informative = [], [], 0
     for name in CONFIGS:
         plain = [o["output_ids"] for o in runs["plain"][name]]
-        ours = [o["output_ids"] for o in runs["vericache"][name]]
+        ours = [o["output_ids"] for o in runs[variant][name]]
         assert len(plain) == len(ours) == SAMPLES
         assert all(len(ids) == NEW_TOKENS for ids in plain + ours)
         for pos in range(NEW_TOKENS):
@@ -107,15 +118,17 @@ def test_sampled_tokens_follow_plain_sglangs_distribution(runs):
     print("\n  " + "\n  ".join(report))
     assert not failures, failures
     # The prompt keeps the test informative: most positions spread over several tokens.
-    assert informative >= tests // 2, report
+    assert informative >= len(CONFIGS) * NEW_TOKENS // 2, report
 
 
-def test_sampled_requests_drafted_and_some_drafts_were_rejected(runs):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sampled_requests_drafted_and_some_drafts_were_rejected(runs, variant):
     """Sampled requests went through draft and verify rounds (not plain decode steps), the
-    statistics add up per request, and the 2-bit tier made some drafts fail."""
+    statistics add up per request, and the 2-bit tier made some drafts fail; with the draft
+    model, level 1 checked its proposals."""
     for name in CONFIGS:
-        rounds = drafted = accepted = 0
-        for out in runs["vericache"][name]:
+        rounds = drafted = accepted = proposed = 0
+        for out in runs[variant][name]:
             meta = out["meta_info"]
             r, a = meta["spec_verify_ct"], meta["spec_num_correct_drafts"]
             # A round emits its accepted drafts plus one token (the first token comes from
@@ -123,12 +136,16 @@ def test_sampled_requests_drafted_and_some_drafts_were_rejected(runs):
             assert len(out["output_ids"]) == 1 + a + r
             rounds, accepted = rounds + r, accepted + a
             drafted += round(meta["spec_cap_length"] * r)
-        print(f"\n[{name}] {rounds} rounds, {accepted}/{drafted} drafts accepted")
+            proposed += meta.get(DRAFTER_PROPOSED_KEY, [0])[0]
+        print(f"\n[{variant}, {name}] {rounds} rounds, {accepted}/{drafted} drafts accepted, "
+              f"{proposed} proposed")
         assert rounds > 0 and 0 < accepted < drafted
+        assert (proposed > 0) == (variant == "draft model")
 
 
-def test_greedy_request_in_the_sampled_batch_equals_plain(runs):
-    plain, ours = runs["plain"]["greedy"][0], runs["vericache"]["greedy"][0]
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_request_in_the_sampled_batch_equals_plain(runs, variant):
+    plain, ours = runs["plain"]["greedy"][0], runs[variant]["greedy"][0]
     assert ours["output_ids"] == plain["output_ids"]
     meta = ours["meta_info"]
     assert meta["spec_cap_length"] > 0 and meta["spec_num_correct_drafts"] > 0  # it drafted

@@ -19,6 +19,7 @@ from tests.conftest import SERVER_ARGS, stdlib_source
 from tests.speculative.identity import (
     CONSTRAINED_PROMPT,
     CONSTRAINTS,
+    LONGEST,
     assert_batch_identical,
     chat,
     payload,
@@ -35,6 +36,15 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
 def test_twelve_real_prompts_in_one_batch(vericache_server, plain, prompt_ids):
     assert_batch_identical(vericache_server, plain, prompt_ids, "kivi:bits=4, k from 16")
+
+
+def test_a_chat_over_four_thousand_tokens(vericache_server, plain, tokenizer):
+    """A chat about 4,200 tokens of tarfile.py: plain SGLang's tokens (prefill in three
+    chunks, a compressed tier of thousands of tokens, the full KV streamed from host memory).
+    Code continuation after 6,000 tokens is test_full_tier.py's."""
+    ids = {name: make(tokenizer) for name, make in LONGEST.items()}
+    assert all(4000 <= len(prompt) <= 6000 for prompt in ids.values())
+    assert_batch_identical(vericache_server, plain, ids, "kivi:bits=4, 4k prompt")
 
 
 def test_requests_over_a_cached_prefix_compress_it_once(vericache_server, plain, tokenizer):
