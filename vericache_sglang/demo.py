@@ -23,10 +23,9 @@ from vericache_sglang.speculative.meta_info import (
 )
 
 NOT_BUILT_YET = (
-    "Not built yet: a remote full tier, a draft model as level-2 drafter, "
-    "the pinned host pool and copy stream of the host tier on a GPU, drafting for requests "
-    "with penalties or returned logprobs (they decode one plain step at a time), and the "
-    "overlap scheduler."
+    "Not built yet: a remote full tier, the pinned host pool and copy stream of the host tier "
+    "on a GPU, drafting for requests with penalties or returned logprobs (they decode one "
+    "plain step at a time, and stop drafting for their batch), and the overlap scheduler."
 )
 
 
