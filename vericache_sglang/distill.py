@@ -354,11 +354,7 @@ def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR)
 
     recipe = load_recipe(weights)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16)
-    keep = recipe.copied_layers + recipe.trained_layers
-    model.model.layers = model.model.layers[:keep]
-    model.config.num_hidden_layers = keep
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:keep]
+    models.truncate(model, recipe.copied_layers + recipe.trained_layers)
     tensors = load_file(str(weights / WEIGHTS_FILE))
     projection = tensors.pop(PROJECTION_KEY).float()
     missing = set(tensors) - set(model.state_dict())

@@ -94,13 +94,8 @@ def _convert_target(dest: Path) -> None:
     _save_atomically(model, tokenizer, dest)
 
 
-def _derive_draft(target: Path, dest: Path, num_layers: int) -> None:
-    """A small draft model: the target's first `num_layers` layers plus its final norm and head."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"[vericache] deriving {num_layers}-layer draft model -> {dest}", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16)
+def truncate(model, num_layers: int) -> None:
+    """Keep a causal LM's first `num_layers` decoder layers (its final norm and head stay)."""
     total = model.config.num_hidden_layers
     if not 0 < num_layers < total:
         raise ValueError(f"draft layers must be between 1 and {total - 1}, got {num_layers}")
@@ -108,6 +103,16 @@ def _derive_draft(target: Path, dest: Path, num_layers: int) -> None:
     model.config.num_hidden_layers = num_layers
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = model.config.layer_types[:num_layers]
+
+
+def _derive_draft(target: Path, dest: Path, num_layers: int) -> None:
+    """A small draft model: the target's first `num_layers` layers plus its final norm and head."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[vericache] deriving {num_layers}-layer draft model -> {dest}", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16)
+    truncate(model, num_layers)
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     _save_atomically(model, tokenizer, dest)
 

@@ -139,3 +139,12 @@ def vericache_metrics(server: ServerProcess) -> dict[str, float]:
     text = requests.get(f"{server.url}/metrics", timeout=60).text
     return {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith("vericache:")}
+
+
+def stream_chunks(server: ServerProcess, request: dict) -> list[dict]:
+    """The chunks of `request` sent to /generate with streaming on."""
+    response = requests.post(f"{server.url}/generate", json={**request, "stream": True},
+                             stream=True, timeout=600)
+    response.raise_for_status()
+    return [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
+            if line.startswith(b"data: {")]

@@ -6,15 +6,19 @@ head, which agree with the target's next token on about 1% of positions).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import requests
 from safetensors import safe_open
 
 from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import assert_batch_identical, levels, payload, send_all
+from tests.speculative.identity import (
+    assert_batch_identical,
+    levels,
+    payload,
+    send_all,
+    stream_chunks,
+)
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -56,11 +60,7 @@ def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, pro
 
         stopped = payload(prompt_ids["bisect_300"], "code", max_new_tokens=64, stop=["return"])
         streamed = payload(prompt_ids["csv_700"], "code", max_new_tokens=48)
-        response = requests.post(f"{server.url}/generate", json={**streamed, "stream": True},
-                                 stream=True, timeout=600)
-        response.raise_for_status()
-        chunks = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
-                  if line.startswith(b"data: {")]
+        chunks = stream_chunks(server, streamed)
         assert chunks[-1]["output_ids"] == plain(streamed)["output_ids"]
         assert send_all(server, [stopped])[0]["output_ids"] == plain(stopped)["output_ids"]
 

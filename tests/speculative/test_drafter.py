@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
 from tests.conftest import SERVER_ARGS
 from tests.speculative.identity import (
@@ -24,6 +23,7 @@ from tests.speculative.identity import (
     payload,
     send_all,
     stats,
+    stream_chunks,
     vericache_metrics,
 )
 from vericache_sglang.server_process import ServerProcess
@@ -94,11 +94,7 @@ def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer)
     assert levels(got[2])[1] == 0  # the grammar request drafted one token per forward
 
     request = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
-    response = requests.post(f"{ngram_server.url}/generate", json={**request, "stream": True},
-                             stream=True, timeout=600)
-    response.raise_for_status()
-    chunks = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
-              if line.startswith(b"data: {")]
+    chunks = stream_chunks(ngram_server, request)
     assert chunks[-1]["output_ids"] == plain(request)["output_ids"]
 
 

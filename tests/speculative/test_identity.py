@@ -25,6 +25,7 @@ from tests.speculative.identity import (
     payload,
     send_all,
     stats,
+    stream_chunks,
     vericache_metrics,
 )
 from vericache_sglang.server_process import ServerProcess
@@ -85,11 +86,7 @@ def test_requests_over_a_cached_prefix_compress_it_once(vericache_server, plain,
 def test_streaming(vericache_server, plain, prompt_ids):
     """Streamed chunks add up to exactly the plain server's text."""
     request = payload(prompt_ids["csv_700"], "code", max_new_tokens=64)
-    response = requests.post(f"{vericache_server.url}/generate",
-                             json={**request, "stream": True}, stream=True, timeout=600)
-    response.raise_for_status()
-    chunks = [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
-              if line.startswith(b"data: {")]
+    chunks = stream_chunks(vericache_server, request)
     assert len(chunks) > 1
     assert chunks[-1]["text"] == plain(request)["text"]
     assert chunks[-1]["output_ids"] == plain(request)["output_ids"]

@@ -68,7 +68,7 @@ def _settle(original, processor, req, batch, result, i: int, logits_output) -> A
 
 
 def _report(original, reporter, can_run_cuda_graph, running_batch=None,
-             num_generated_tokens: int = 0) -> Any:
+            num_generated_tokens: int = 0) -> Any:
     num_generated_tokens -= getattr(reporter, _UNSETTLED, 0)
     setattr(reporter, _UNSETTLED, 0)
     correct, drafted = reporter.spec_num_correct_drafts, reporter.spec_num_cap_tokens
