@@ -31,9 +31,11 @@ def demo_model(demo_models: models.PreparedModels) -> Path:
 # Arguments every test server shares, so that a VeriCache server and the plain one differ only
 # by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks; sampling is seeded
 # so that a sampling test's outcome is reproducible; sixteen requests may run at once (VeriCache
-# reserves the device's drafting windows for that many).
+# reserves the device's drafting windows for that many); requests may bring a custom logit
+# processor.
 SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics",
-               "--random-seed", "0", "--max-running-requests", "16"]
+               "--random-seed", "0", "--max-running-requests", "16",
+               "--enable-custom-logit-processor"]
 
 FULL_KV_BYTES_PER_TOKEN = 46080
 """The demo model's float32 KV per token: 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes."""

@@ -24,8 +24,8 @@ from vericache_sglang.speculative.meta_info import (
 
 NOT_BUILT_YET = (
     "Not built yet: a remote full tier, the pinned host pool and copy stream of the host tier "
-    "on a GPU, drafting for requests with penalties or returned logprobs (they decode one "
-    "plain step at a time, and stop drafting for their batch), and the overlap scheduler."
+    "on a GPU, drafting for requests with a custom logit processor (they take one plain step "
+    "per round; their batch still drafts), and the overlap scheduler."
 )
 
 

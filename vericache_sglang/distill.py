@@ -173,7 +173,9 @@ class Recipe:
     trained_layers: int  # decoder layers after them, shipped
     init_layer: int  # the target layer the trained layers start from
     train_tokens: int = 0
-    steps: int = 0
+    soft_weight: float = 0.0  # loss = soft_weight * KL(target || draft) + rest * hard-label CE
+    steps: int = 0  # taken, of `schedule_steps` (a checkpoint ships before the end)
+    schedule_steps: int = 0  # the length of the learning-rate schedule
     batch_tokens: int = 0
     lr: float = 0.0
     train_seconds: float = 0.0
@@ -271,11 +273,42 @@ def student_agreement(student: Student, head: torch.Tensor,
     return result
 
 
+def distillation_loss(out: torch.Tensor, final: torch.Tensor, greedy: torch.Tensor,
+                      head: torch.Tensor, soft_weight: float, chunk: int = 512) -> float:
+    """Backpropagate, per token, the cross-entropy of the draft's full-vocabulary distribution
+    to a mixture: `soft_weight` x the target's distribution (recomputed from its stored final
+    states through the tied head) plus the rest on its greedy token; return that loss (KL
+    divergence to the mixture plus its constant entropy). The target's distribution says which
+    near-ties the draft may get wrong and which it may not, which its argmax alone does not.
+    The gradient with respect to the logits is written out (softmax minus the mixture), in
+    chunks of `chunk` tokens: autograd through [tokens, vocab] float32 tensors would spend
+    most of a step on their element-wise passes and gigabytes on keeping them."""
+    flat = out.flatten(0, 1)
+    final, greedy = final.flatten(0, 1), greedy.flatten()
+    grad, total = torch.empty_like(flat), 0.0
+    with torch.no_grad():
+        for i in range(0, len(flat), chunk):
+            rows = slice(i, i + chunk)
+            logits = (flat[rows].to(head.dtype) @ head.T).float()
+            if soft_weight:
+                mixture = (final[rows].to(head.dtype) @ head.T).float().softmax(-1)
+                mixture *= soft_weight
+            else:
+                mixture = torch.zeros_like(logits)
+            mixture[torch.arange(len(logits)), greedy[rows]] += 1 - soft_weight
+            log_q = logits.log_softmax(-1)
+            total -= (mixture * log_q).sum().item()
+            grad[rows] = (log_q.exp_().sub_(mixture).to(head.dtype) @ head).float()
+    flat.backward(grad / len(flat))
+    return total / len(flat)
+
+
 def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len: int,
-          max_file_tokens: int, batch_rows: int, eval_every: int, resume: bool) -> Recipe:
+          max_file_tokens: int, batch_rows: int, eval_every: int, resume: bool,
+          dest: Path = WEIGHTS_DIR) -> Recipe:
     """Label the corpus, fit the head projection in closed form, then train with
-    full-vocabulary cross-entropy against the target's greedy tokens (what a drafter must
-    match). A checkpoint ships every `eval_every` steps, so a run can be stopped at any point."""
+    `distillation_loss`. A checkpoint ships to `dest` every `eval_every` steps, so a run can be
+    stopped at any point."""
     from transformers import AutoTokenizer
 
     labels = labelled_corpus(target_dir, work, recipe.copied_layers, num_tokens, seq_len,
@@ -300,7 +333,7 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
     print(f"[train] {recipe.train_tokens:,} tokens; at step {first - 1}: "
           f"{student_agreement(student, head, sets)}", file=sys.stderr)
     generator = torch.Generator().manual_seed(first)
-    total = recipe.steps
+    total = recipe.schedule_steps = recipe.steps
     warmup, start = max(1, total // 20), time.monotonic() - elapsed
     for step in range(first, total + 1):
         # Linear warm-up, then cosine decay to zero.
@@ -309,15 +342,16 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = torch.randint(len(labels), (batch_rows,), generator=generator)
-        logits = student(labels.hidden[rows]).to(torch.bfloat16) @ head_bf16.T
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                 labels.greedy[rows].flatten())
         optimizer.zero_grad()
-        loss.backward()
+        # bf16 matmuls in the trained layers too (float32 weights and sums): 1.5x a step.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = student(labels.hidden[rows])
+        loss = distillation_loss(out, labels.final[rows], labels.greedy[rows], head_bf16,
+                                 recipe.soft_weight)
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         seconds = time.monotonic() - start
-        print(f"\r[train] step {step}/{total} loss {loss.item():.3f} "
+        print(f"\r[train] step {step}/{total} loss {loss:.3f} "
               f"{(step - first + 1) * recipe.batch_tokens / (seconds - elapsed):.0f} tok/s",
               end="", file=sys.stderr, flush=True)
         if step % eval_every == 0 or step == total:
@@ -327,7 +361,7 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
             torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step, "seconds": seconds}, checkpoint.with_suffix(".tmp"))
             os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
-            ship(student, recipe)
+            ship(student, recipe, dest)
     return recipe
 
 
@@ -403,9 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                        f"write {WEIGHTS_DIR.name}/")
     t.add_argument("--copied-layers", type=int, default=8,
                    help="target layers the draft model copies (default: %(default)s)")
+    t.add_argument("--trained-layers", type=int, default=1,
+                   help="decoder layers trained after the copied ones (default: %(default)s)")
     t.add_argument("--init-layer", type=int, default=None,
-                   help="target layer the trained layer starts from (default: the first one "
-                   "not copied)")
+                   help="target layer the first trained layer starts from (default: the first "
+                   "one not copied)")
     t.add_argument("--tokens", type=int, default=142_336,
                    help="training tokens labelled by the target (default: %(default)s)")
     t.add_argument("--seq-len", type=int, default=1024,
@@ -418,13 +454,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequences per step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate "
                    "(default: %(default)s)")
+    t.add_argument("--soft-weight", type=float, default=0.0,
+                   help="weight of KL divergence to the target's full distribution; the rest "
+                   "is cross-entropy against its greedy token (default: %(default)s)")
     t.add_argument("--eval-every", type=int, default=25,
                    help="steps between checkpoints (default: %(default)s)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--work-dir", type=Path, default=None,
                    help="labels and checkpoints (default: <cache>/distill)")
-    sub.add_parser("evaluate", help="agreement of the shipped draft model on held-out stdlib "
-                   "files")
+    t.add_argument("--out", type=Path, default=WEIGHTS_DIR,
+                   help="where the trained tensors ship (default: the package's)")
+    e = sub.add_parser("evaluate", help="agreement of the shipped draft model on held-out "
+                       "stdlib files")
+    e.add_argument("--weights", type=Path, default=WEIGHTS_DIR,
+                   help="trained tensors to evaluate (default: the package's)")
     b = sub.add_parser("build", help="write the draft model's Hugging Face directory")
     b.add_argument("dest", type=Path, help="folder to write (replaced if it exists)")
     args = parser.parse_args(argv)
@@ -433,13 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = models.prepare().target
     if args.command == "train":
         init_layer = args.copied_layers if args.init_layer is None else args.init_layer
-        recipe = Recipe(args.copied_layers, 1, init_layer, steps=args.steps, lr=args.lr)
+        recipe = Recipe(args.copied_layers, args.trained_layers, init_layer, steps=args.steps,
+                        lr=args.lr, soft_weight=args.soft_weight)
         recipe = train(target_dir, args.work_dir or default_work_dir(), recipe, args.tokens,
                        args.seq_len, args.max_file_tokens, args.batch_rows, args.eval_every,
-                       args.resume)
+                       args.resume, args.out)
         print(json.dumps(asdict(recipe), indent=2))
     elif args.command == "evaluate":
-        print(json.dumps(evaluate(target_dir), indent=2))
+        print(json.dumps(evaluate(target_dir, args.weights), indent=2))
     else:
         print(build_draft_model(target_dir, args.dest))
     return 0

@@ -14,13 +14,16 @@ import json
 
 import pytest
 import requests
+from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
 from tests.conftest import SERVER_ARGS, stdlib_source
 from tests.speculative.identity import (
     CONSTRAINED_PROMPT,
     CONSTRAINTS,
+    LOGPROB_PARAMS,
     LONGEST,
     assert_batch_identical,
+    assert_logprobs_equal,
     chat,
     payload,
     send_all,
@@ -159,34 +162,70 @@ def test_stops_and_lengths_end_where_plain_sglang_ends(vericache_server, plain, 
         assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], case
 
 
-def test_logprob_requests_take_plain_decode_steps(vericache_server, plain, prompt_ids):
-    """Requests that return logprobs are not drafted for: they take SGLang's own decode step
-    and get exactly the plain server's tokens and logprobs."""
-    request = {**payload(prompt_ids["bisect_300"], "code", max_new_tokens=48),
-               "return_logprob": True, "top_logprobs_num": 3}
+def test_logprob_requests_draft(vericache_server, plain, prompt_ids):
+    """Returned logprobs come from the verification forward: the request drafts, and its
+    tokens, logprobs, top logprobs and token-id logprobs are plain SGLang's."""
+    request = {**payload(prompt_ids["bisect_300"], "code", max_new_tokens=48), **LOGPROB_PARAMS}
     out = vericache_server.generate(request)
     want = plain(request)
     assert out["output_ids"] == want["output_ids"]
-    assert out["meta_info"]["spec_num_correct_drafts"] == 0
-    got_lp = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
-    want_lp = [t[0] for t in want["meta_info"]["output_token_logprobs"]]
-    assert got_lp == pytest.approx(want_lp, abs=1e-4)
-    assert [[e[1] for e in top] for top in out["meta_info"]["output_top_logprobs"]] == \
-        [[e[1] for e in top] for top in want["meta_info"]["output_top_logprobs"]]
+    assert out["meta_info"]["spec_num_correct_drafts"] > 0
+    assert_logprobs_equal(out, want)
 
 
-def test_penalized_requests_take_plain_decode_steps(vericache_server, demo_model, prompt_ids):
-    """Penalized requests are not drafted for either. The reference here is plain SGLang with
-    --disable-overlap-schedule, which VeriCache implies: SGLang's overlap scheduler prepares
-    step n+1 before it records step n's token, so its penalties count the output one token
-    late, and greedy output under penalties differs with and without it."""
-    request = payload(prompt_ids["bisect_300"], "code", max_new_tokens=48,
-                      repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--disable-overlap-schedule"]) as plain_server:
-        want = plain_server.generate(request)
-    out = vericache_server.generate(request)
-    assert out["output_ids"] == want["output_ids"]
-    assert out["meta_info"]["spec_num_correct_drafts"] == 0
+def test_penalties_bias_and_requests_that_cannot_draft_share_a_batch(vericache_server,
+                                                                     demo_model, prompt_ids):
+    """One batch of requests that draft (greedy; logprobs; frequency and presence penalties,
+    and a repetition penalty, with logprobs; logit bias; min_new_tokens) and one that cannot
+    (a custom logit processor, with logprobs): every output and every logprob equals plain
+    SGLang's, all but the last draft, and the counters add up to the tokens really drafted,
+    accepted and emitted, the plain steps being the custom-processor request's.
+
+    The reference is plain SGLang with --disable-overlap-schedule, which VeriCache implies:
+    SGLang's overlap scheduler prepares step n+1 before it records step n's token, so its
+    penalties count the output one token late, and greedy output under penalties differs with
+    and without it. The repetition penalty has a request of its own: SGLang applies a batch's
+    penalizers in an order that differs from process to process (penalties.py), which moves a
+    repetition-and-frequency request's logprobs by up to ~1e-3 between two plain servers."""
+    requests_ = {
+        "greedy": payload(prompt_ids["heapq_400"], "code", max_new_tokens=48),
+        "logprobs": {**payload(prompt_ids["csv_700"], "code", max_new_tokens=48),
+                     **LOGPROB_PARAMS},
+        "penalties": {**payload(prompt_ids["bisect_300"], "code", max_new_tokens=48,
+                                frequency_penalty=0.4, presence_penalty=0.2), **LOGPROB_PARAMS},
+        "repetition": {**payload(prompt_ids["heapq_400"], "code", max_new_tokens=48,
+                                 repetition_penalty=1.3), **LOGPROB_PARAMS},
+        "logit_bias": payload(prompt_ids["bisect_300"], "code", max_new_tokens=48,
+                              logit_bias={"13": 4.0, "284": -3.0}),
+        "min_new_tokens": payload(prompt_ids["chat_list_tuple"], "chat", max_new_tokens=48,
+                                  min_new_tokens=12),
+        "custom_processor": {
+            **payload(prompt_ids["bisect_300"], "code", max_new_tokens=32,
+                      custom_params={"token_ids": [13, 284]}),
+            "custom_logit_processor": DisallowedTokensLogitsProcessor.to_str(),
+            **LOGPROB_PARAMS},
+    }
+    with ServerProcess(demo_model, [*SERVER_ARGS, "--disable-overlap-schedule"]) as server:
+        expected = dict(zip(requests_, send_all(server, list(requests_.values())), strict=True))
+    before = vericache_metrics(vericache_server)
+    got = dict(zip(requests_, send_all(vericache_server, list(requests_.values())), strict=True))
+    after = vericache_metrics(vericache_server)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    for name, out in got.items():
+        assert out["output_ids"] == expected[name]["output_ids"], name
+    for name in ("logprobs", "penalties", "repetition", "custom_processor"):
+        assert_logprobs_equal(got[name], expected[name])
+    for name in ("greedy", "logprobs", "penalties", "repetition", "logit_bias",
+                 "min_new_tokens"):
+        assert got[name]["meta_info"]["spec_num_correct_drafts"] > 0, name
+    assert got["custom_processor"]["meta_info"]["spec_num_proposed_drafts"] == 0
+    counts = [stats(out) for out in got.values()]
+    assert delta["vericache:drafted_tokens_total"] == sum(c[1] for c in counts)
+    assert delta["vericache:accepted_drafts_total"] == sum(c[2] for c in counts)
+    plain_steps = delta["vericache:plain_decode_steps_total"]
+    assert plain_steps == len(got["custom_processor"]["output_ids"]) - 1
+    assert delta["vericache:emitted_tokens_total"] + plain_steps == sum(
+        len(out["output_ids"]) - 1 for out in got.values())
 
 
 def test_flush_cache_between_requests(vericache_server, plain, prompt_ids):

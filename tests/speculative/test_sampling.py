@@ -23,6 +23,8 @@ from scipy import stats
 from sglang.srt.layers import sampler as sglang_sampler
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
+from vericache_sglang.config import VeriCacheConfig, attach_config
+from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
     check_proposal,
@@ -31,7 +33,7 @@ from vericache_sglang.speculative.sampling import (
     filtered_probs,
     rejection_sample,
     residual_distribution,
-    sampler_supported,
+    rows_sampler_supported,
     softmax_probs,
     verify_tokens,
 )
@@ -424,7 +426,7 @@ def test_draft_tokens_sample_q():
     assert chi2_pvalue(torch.bincount(tokens, minlength=9), q[0]) > ALPHA
 
 
-# -- which batches are drafted for ----------------------------------------------------------
+# -- which requests are drafted for --------------------------------------------------------
 
 def _sampler(**attrs) -> sglang_sampler.Sampler:
     sampler = sglang_sampler.Sampler.__new__(sglang_sampler.Sampler)
@@ -436,31 +438,56 @@ def _sampler(**attrs) -> sglang_sampler.Sampler:
 
 
 def _info(**flags) -> SimpleNamespace:
+    """A batch of a greedy row and a sampled row (SGLang stores top_k 1 for greedy)."""
     base = dict(is_all_greedy=False, need_top_k_sampling=False, need_top_p_sampling=False,
                 need_min_p_sampling=False, sampling_seed=None, has_watermark_candidates=False,
-                sampling_mask_batch_indices=None)
+                sampling_mask_batch_indices=None, temperatures=torch.ones(2, 1),
+                top_ks=torch.tensor([1, 1 << 30]))
     return SimpleNamespace(**{**base, **flags})
 
 
-def test_sampler_supported():
+def test_rows_sampler_supported():
     pytorch, flashinfer = "pytorch", "flashinfer"
-    assert sampler_supported(_sampler(), _info(is_all_greedy=True), flashinfer)
-    assert sampler_supported(_sampler(), _info(), flashinfer)  # temperature only
-    assert sampler_supported(_sampler(), _info(need_top_p_sampling=True), pytorch)
-    assert not sampler_supported(_sampler(), _info(need_top_p_sampling=True), flashinfer)
-    assert not sampler_supported(_sampler(use_ascend_backend=True), _info(), pytorch)
-    assert not sampler_supported(_sampler(rl_on_policy_target="fsdp"), _info(), pytorch)
-    assert not sampler_supported(
-        _sampler(), _info(need_min_p_sampling=True, sampling_seed=torch.zeros(1)), pytorch)
-    assert not sampler_supported(_sampler(), _info(has_watermark_candidates=True), pytorch)
-    assert not sampler_supported(
+    both, greedy_only, neither = [True, True], [True, False], [False, False]
+    supported = rows_sampler_supported
+    assert supported(_sampler(), _info(is_all_greedy=True), flashinfer) == both
+    assert supported(_sampler(), _info(), flashinfer) == both  # temperature only
+    assert supported(_sampler(), _info(need_top_p_sampling=True), pytorch) == both
+    # A fused backend filters the batch's sampled rows its own way: the greedy row drafts.
+    assert supported(_sampler(), _info(need_top_p_sampling=True), flashinfer) == greedy_only
+    assert supported(_sampler(use_ascend_backend=True), _info(), pytorch) == neither
+    assert supported(_sampler(rl_on_policy_target="fsdp"), _info(), pytorch) == neither
+    assert supported(
+        _sampler(), _info(need_min_p_sampling=True, sampling_seed=torch.zeros(2)),
+        pytorch) == neither
+    assert supported(_sampler(), _info(has_watermark_candidates=True), pytorch) == neither
+    assert supported(
         _sampler(), _info(is_all_greedy=True, sampling_mask_batch_indices=torch.zeros(1)),
-        pytorch)
+        pytorch) == neither
 
     class Custom(sglang_sampler.Sampler):
         pass
 
-    assert not sampler_supported(Custom.__new__(Custom), _info(is_all_greedy=True), pytorch)
+    assert supported(Custom.__new__(Custom), _info(is_all_greedy=True), pytorch) == neither
+
+
+@pytest.mark.parametrize("flashinfer_here, given, chosen", [
+    (True, None, "pytorch"),  # SGLang would pick flashinfer: VeriCache picks pytorch
+    (True, "flashinfer", "flashinfer"),  # a user's choice stays
+    (False, None, None),  # SGLang picks pytorch itself
+])
+def test_vericache_selects_the_sampling_backend_a_round_reproduces(monkeypatch, flashinfer_here,
+                                                                   given, chosen):
+    monkeypatch.setattr(algorithm, "get_platform",
+                        lambda: SimpleNamespace(has_flashinfer=flashinfer_here))
+    args = SimpleNamespace(
+        speculative_algorithm=None, speculative_num_draft_tokens=None,
+        speculative_num_steps=None, speculative_eagle_topk=None, enable_mixed_chunk=False,
+        kv_cache_dtype="auto", grammar_backend=None, disable_overlap_schedule=False,
+        context_length=None, decode_log_interval=40, sampling_backend=given)
+    attach_config(args, VeriCacheConfig.build({"enable_vericache": True}))
+    algorithm.configure(args)
+    assert args.sampling_backend == chosen
 
 
 # -- level-1 checks of a level-2 proposal --------------------------------------------------

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.runtime_context import get_platform
 from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorithm
 
 from vericache_sglang import startup
@@ -127,6 +128,13 @@ def configure(server_args: Any) -> None:
     server_args.speculative_num_steps = longest
     server_args.speculative_eagle_topk = 1
     server_args.disable_overlap_schedule = True
+    if server_args.sampling_backend is None and get_platform().has_flashinfer:
+        # SGLang's default on CUDA is flashinfer, whose fused top-k/top-p/min-p kernels a
+        # round does not reproduce: under it those requests take plain steps.
+        server_args.sampling_backend = "pytorch"
+        logger.info("VeriCache: --sampling-backend pytorch, so that top-k, top-p and min-p "
+                    "requests draft too (pass --sampling-backend flashinfer to keep SGLang's "
+                    "default; those requests then take plain decode steps)")
     if server_args.decode_log_interval == DEFAULT_DECODE_LOG_INTERVAL:
         # SGLang takes decode stats (its log line and gauges such as sglang:num_running_reqs)
         # every that many decode forwards, counted from the last /flush_cache. A VeriCache

@@ -19,7 +19,7 @@ applies them. Three kinds of request may share a batch:
 
 Unseeded draws use torch's default generator, as SGLang's own unseeded sampling does
 (`--random-seed` seeds it). Filtering follows SGLang's `pytorch` sampling backend (the CPU
-backend); `sampler_supported` says for which batches these functions reproduce SGLang.
+backend); `rows_sampler_supported` says for which requests these functions reproduce SGLang.
 """
 
 from __future__ import annotations
@@ -99,28 +99,31 @@ class SamplingRows:
                             pick(self.seeds), self.all_greedy)
 
 
-def sampler_supported(sampler, info, backend: str | None) -> bool:
-    """Whether the functions here choose tokens exactly as `sampler` (the model runner's SGLang
-    `Sampler`) would for this batch. Logit-changing features (penalties, bias, grammars,
-    custom processors) are the caller's to check; this covers the sampler itself and the
-    steps SGLang's `ModelRunner.sample` adds around it."""
-    if type(sampler) is not Sampler:  # a registered custom sampler backend
-        return False
-    if getattr(info, "has_watermark_candidates", False):  # the watermark rewrites logits
-        return False
-    if getattr(info, "sampling_mask_batch_indices", None) is not None:  # returned supports
-        return False
+def rows_sampler_supported(sampler, info, backend: str | None) -> list[bool]:
+    """For each row of the batch: whether the functions here choose its tokens exactly as
+    `sampler` (the model runner's SGLang `Sampler`) would. Logit-changing features
+    (penalties, bias, grammars, custom processors) are the caller's to check; this covers the
+    sampler itself and the steps SGLang's `ModelRunner.sample` adds around it. Most limits
+    hold for the whole batch; only filtering on a fused backend leaves the greedy rows."""
+    rows = len(info.temperatures)
+    if (type(sampler) is not Sampler  # a registered custom sampler backend
+            or getattr(info, "has_watermark_candidates", False)  # rewrites logits
+            or getattr(info, "sampling_mask_batch_indices", None) is not None):  # supports
+        return [False] * rows
     if info.is_all_greedy:
-        return True
+        return [True] * rows
     if sampler.use_ascend_backend or sampler.rl_on_policy_target is not None:
-        return False  # these sample from temperature-scaled logits (or bf16 logprobs)
+        return [False] * rows  # these sample from temperature-scaled logits (or bf16 logprobs)
     if info.sampling_seed is not None and info.need_min_p_sampling:
-        return False  # SGLang's seeded sampler rejects min-p
+        return [False] * rows  # SGLang's seeded sampler rejects min-p
     needs_filter = (info.need_top_k_sampling or info.need_top_p_sampling
                     or info.need_min_p_sampling)
     # Filtering is reproduced as the pytorch backend does it; flashinfer's fused kernels
-    # (the CUDA default) could differ at cut-off ties and orders min-p after top-p.
-    return not needs_filter or backend == "pytorch"
+    # (the CUDA default) could differ at cut-off ties and orders min-p after top-p, and
+    # filter every sampled row of a batch that needs it.
+    if not needs_filter or backend == "pytorch":
+        return [True] * rows
+    return (info.top_ks.reshape(-1) <= 1).tolist()
 
 
 def softmax_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

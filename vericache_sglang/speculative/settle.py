@@ -63,7 +63,7 @@ def _settle(original, processor, req, batch, result, i: int, logits_output) -> A
             reporter.spec_num_accept_tokens -= over_tokens
             reporter.num_generated_tokens -= over_tokens
             setattr(reporter, _UNSETTLED, getattr(reporter, _UNSETTLED, 0) + over_tokens)
-        worker.settle_round(emitted=kept, accepted=kept_drafts)
+        worker.settle_round(row=i, emitted=kept, accepted=kept_drafts)
     return original(processor, req, batch, result, i, logits_output)
 
 

@@ -24,15 +24,18 @@ one-token steps make; sampled drafts follow the same q (`sampling.check_proposal
 verification and output are unchanged; only the forwards differ. Batches with a grammar draft
 one token per forward.
 
-A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`).
-Batches with penalties, logit bias or returned logprobs fall back to one
-plain decode step (exactly SGLang's own decode), so those requests are served unchanged.
-Prefill runs the target model as usual.
+A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`), one
+with penalties or logit bias under the penalty state of each chain position (`penalties.py`),
+and returned logprobs come from the verify logits (`logprobs.py`). Requests a round cannot
+serve (custom logit processors, some samplers; `eligibility.py`) take one plain step inside
+it: SGLang's sampler chooses their token from the verify logits of chain position 0, so their
+batch-mates still draft. Prefill runs the target model as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 from sglang.srt.environ import envs
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -59,20 +63,22 @@ from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.config import get_config
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.speculative.drafter import build_drafter
+from vericache_sglang.speculative.eligibility import drafting_rows
 from vericache_sglang.speculative.grammar import RoundGrammar
 from vericache_sglang.speculative.info import VeriCacheDraftInput, VeriCacheVerifyInput
+from vericache_sglang.speculative.logprobs import chain_logprobs, take_first_positions
 from vericache_sglang.speculative.meta_info import (
     DRAFT_FORWARDS_KEY,
     DRAFTER_KEPT_KEY,
     DRAFTER_PROPOSED_KEY,
     READ_BYTES_KEY,
 )
+from vericache_sglang.speculative.penalties import PenaltyStates, RoundPenalties
 from vericache_sglang.speculative.policy import DraftLengthPolicy
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
     check_proposal,
     draft_tokens,
-    sampler_supported,
     verify_tokens,
 )
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
@@ -102,7 +108,11 @@ class _Round:
     tokens: list[torch.Tensor]
     """t0 (the last emitted token), then each drafted token [bs]."""
     grammar: RoundGrammar | None
+    penalties: RoundPenalties | None
     rows: SamplingRows
+    drafts: list[bool]
+    """Requests whose drafts are offered to verification; the others take one plain step
+    (`eligibility.py`): their drafts are made but never offered."""
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     """q of each draft step, for the requests that sample."""
     round_buffer_bytes: int = 0
@@ -138,6 +148,8 @@ class VeriCacheWorker(BaseSpecWorker):
             adaptive=config.vericache_min_draft_length < config.vericache_max_draft_length,
         )
         self.max_draft_length = config.vericache_max_draft_length
+        self.penalty_states = PenaltyStates(self.model_runner.model_config.vocab_size,
+                                            self.device)
         # Level 2: a cheaper proposer under the compressed-KV drafter, with its own lengths.
         embedding = getattr(self.model_runner.model, "get_input_embeddings", None)
         self.drafter = build_drafter(
@@ -176,7 +188,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # and as Prometheus counters with --enable-metrics.
         self.totals = RoundCounts()
         self._pages_reported = 0  # pool pages compressed that /metrics already counts
-        self._settling = False  # the last step was a verified round, its runs not yet counted
+        self._settling: list[bool] = []  # per request of the last step: a verified round
         self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
                         if server_args.enable_metrics else None)
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d), drafter %s",
@@ -317,6 +329,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self._release(slot)
         self.policy.forget(rid)
         self.drafter_policy.forget(rid)
+        self.penalty_states.forget(rid)
         if self.drafter is not None:
             self.drafter.forget(rid)
         self._publish_sizes()
@@ -406,19 +419,9 @@ class VeriCacheWorker(BaseSpecWorker):
         )
         return result
 
-    def _can_draft(self, batch) -> bool:
-        info = batch.sampling_info
-        penalizer = info.penalizer_orchestrator
-        return (
-            sampler_supported(self.model_runner.sampler, info, get_exec().kernel.sampling_backend)
-            and not (penalizer is not None and penalizer.is_required)
-            and info.acc_additive_penalties is None
-            and info.acc_scaling_penalties is None
-            and info.logit_bias is None
-            and not info.has_custom_logit_processor
-            and not batch.return_logprob
-            and not batch.return_hidden_states
-        )
+    def _drafting_rows(self, batch) -> list[bool]:
+        return drafting_rows(batch, self.model_runner.sampler,
+                             get_exec().kernel.sampling_backend)
 
     def _plain_decode(self, batch, committed: torch.Tensor, bonus: torch.Tensor):
         """One ordinary decode step (SGLang's own), for batches VeriCache does not draft for."""
@@ -439,7 +442,7 @@ class VeriCacheWorker(BaseSpecWorker):
             logits_output.next_token_logprobs = logits_output.next_token_logprobs.reshape(-1, 1)
         accept_lens = torch.ones_like(committed, dtype=torch.int32)
         return self._result(logits_output, next_tokens, accept_lens, committed + 1,
-                            next_tokens, width=1, drafted=0, verified=False)
+                            next_tokens, width=1, drafted=0, verified=[False] * len(batch.reqs))
 
     @staticmethod
     def _room(batch) -> list[int]:
@@ -456,9 +459,10 @@ class VeriCacheWorker(BaseSpecWorker):
         state: VeriCacheDraftInput = batch.spec_info
         committed = batch.seq_lens.to(torch.int64)
         bonus = state.bonus_tokens.reshape(-1).to(torch.int64)
-        if not self._can_draft(batch):
+        drafts = self._drafting_rows(batch)
+        if not any(drafts):
             return self._plain_decode(batch, committed, bonus)
-        round_ = self._plan_round(batch, committed, bonus)
+        round_ = self._plan_round(batch, committed, bonus, drafts)
         if self.drafter is not None and round_.k > 0 and round_.grammar is None:
             self._draft_stacked(batch, round_)
         else:
@@ -466,11 +470,14 @@ class VeriCacheWorker(BaseSpecWorker):
         logits = self._verify(batch, round_)
         return self._accept(batch, round_, logits)
 
-    def _plan_round(self, batch, committed: torch.Tensor, bonus: torch.Tensor) -> _Round:
-        """The round's draft length and where its tokens' K/V go (the slots SGLang reserved
-        beyond each request's committed length)."""
+    def _plan_round(self, batch, committed: torch.Tensor, bonus: torch.Tensor,
+                    drafts: list[bool]) -> _Round:
+        """The round's draft length (from the requests that draft) and where its tokens' K/V
+        go (the slots SGLang reserved beyond each request's committed length)."""
         room = self._room(batch)
-        k = min(self.policy.batch_length([req.rid for req in batch.reqs]), max(room) - 1)
+        drafting = [i for i, d in enumerate(drafts) if d]
+        k = min(self.policy.batch_length([batch.reqs[i].rid for i in drafting]),
+                max(room[i] for i in drafting) - 1)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
         locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
@@ -482,14 +489,15 @@ class VeriCacheWorker(BaseSpecWorker):
             k=k, room=room, committed=committed, committed_cpu=committed.cpu(),
             positions=positions, locs=locs.to(torch.int64), tokens=[bonus],
             grammar=RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, k + 1),
-            rows=SamplingRows.from_sampling_info(batch.sampling_info),
+            penalties=RoundPenalties.for_batch(self.penalty_states, batch),
+            rows=SamplingRows.from_sampling_info(batch.sampling_info), drafts=drafts,
             forwards=[0] * len(room), proposed=[0] * len(room), kept=[0] * len(room),
         )
 
     def _draft(self, batch, round_: _Round) -> None:
         """k one-token forwards over the compressed KV (under each request's grammar, if it has
         one), appending d1..dk to `round_.tokens` and each step's q to `round_.draft_probs`."""
-        bs, grammar = len(batch.reqs), round_.grammar
+        bs, grammar, penalties = len(batch.reqs), round_.grammar, round_.penalties
         self.draft_backend.begin_round(batch.req_pool_indices.tolist(),
                                        round_.committed_cpu.tolist(), round_.k)
         round_.forwards = [round_.k] * bs
@@ -498,8 +506,13 @@ class VeriCacheWorker(BaseSpecWorker):
                 self.draft_backend.set_step(step)
                 logits = self._draft_forward(batch, round_, torch.arange(bs),
                                              torch.full((bs,), step), round_.tokens[-1])
+                if penalties is not None:
+                    penalties.penalize(logits, list(range(bs)), [step] * bs,
+                                       round_.chain()[:, 1:].tolist())
                 if grammar is not None:
                     grammar.constrain_draft(logits, step)
+                if penalties is not None:
+                    penalties.bias(logits, list(range(bs)))
                 token, q = draft_tokens(logits, round_.rows, round_.positions[:, step])
                 round_.tokens.append(token)
                 round_.draft_probs.append(q)
@@ -576,6 +589,12 @@ class VeriCacheWorker(BaseSpecWorker):
                 device = round_.committed.device
                 logits = self._draft_forward(batch, round_, torch.tensor(requests),
                                              torch.tensor(steps), torch.tensor(ids, device=device))
+                if round_.penalties is not None:
+                    offered = dict(zip(active, proposals, strict=True))
+                    round_.penalties.penalize(logits, requests, steps,
+                                              [chain + offered.get(i, [])
+                                               for i, chain in enumerate(chains)])
+                    round_.penalties.bias(logits, requests)
                 row = 0
                 for i, proposal in zip(active, proposals, strict=True):
                     width = len(proposal) + 1
@@ -625,8 +644,15 @@ class VeriCacheWorker(BaseSpecWorker):
             capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
         )
         logits_output = self._forward(self.verify_backend, fb)
+        logits = logits_output.next_token_logits
+        requests = [i for i in range(bs) for _ in range(width)]
+        if round_.penalties is not None:
+            round_.penalties.penalize(logits, requests, list(range(width)) * bs,
+                                      chain[:, 1:].tolist())
         if round_.grammar is not None:
-            round_.grammar.constrain_verify(logits_output.next_token_logits)
+            round_.grammar.constrain_verify(logits)
+        if round_.penalties is not None:
+            round_.penalties.bias(logits, requests)
         if self.full_backend is not None:
             self.peak_round_bytes = max(self.peak_round_bytes,
                                         self.full_backend.round_buffer_bytes())
@@ -634,7 +660,8 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _accept(self, batch, round_: _Round, logits_output) -> GenerationBatchResult:
         """Accept the longest prefix the full model would have chosen itself (greedy and seeded
-        requests) or rejection sample (the others), plus the full model's next token."""
+        requests) or rejection sample (the others), plus the full model's next token; the
+        requests that do not draft emit SGLang's sampler's token at chain position 0."""
         bs, k, width = len(batch.reqs), round_.k, round_.k + 1
         chain = round_.chain()
         accepted, target = verify_tokens(
@@ -643,15 +670,32 @@ class VeriCacheWorker(BaseSpecWorker):
             if round_.draft_probs and round_.rows.any_sampled else None,
             round_.rows, round_.positions,
         )
+        plain = [i for i, drafts in enumerate(round_.drafts) if not drafts]
+        first = None
+        if plain:
+            tokens, first = self._sample_first_position(batch, round_, logits_output)
+            rows = torch.tensor(plain, device=accepted.device)
+            accepted[rows] = 0
+            target[rows, 0] = tokens[rows].to(target.dtype)
+            for i in plain:
+                round_.forwards[i] = round_.proposed[i] = round_.kept[i] = 0
         if k > 0:
-            for req, a in zip(batch.reqs, accepted.tolist(), strict=True):
-                self.policy.update(req.rid, k, a)
+            for req, a, drafts in zip(batch.reqs, accepted.tolist(), round_.drafts,
+                                      strict=True):
+                if drafts:
+                    self.policy.update(req.rid, k, a)
         # A request with less room than the batch's draft length emits only what fits, so
         # its statistics count only drafts it emits (target[j] is draft j+1 for j < accepted).
         accepted = accepted.clamp(max=torch.tensor(round_.room, device=accepted.device) - 1)
         accept_lens = (accepted + 1).to(torch.int32)
         if self.full_backend is not None:
             self.full_backend.commit_chain(round_.locs, accept_lens)
+        if batch.return_logprob:
+            chain_logprobs(logits_output.next_token_logits, round_.rows, target,
+                           batch.top_logprobs_nums, batch.token_ids_logprobs
+                           ).write_output_to(logits_output)
+            if first is not None:
+                take_first_positions(logits_output, first, plain, width)
         new_bonus = target.gather(1, accepted[:, None]).squeeze(1)
         for i, req in enumerate(batch.reqs):
             _add_to_meta_info(req, DRAFT_FORWARDS_KEY, round_.forwards[i])
@@ -663,19 +707,44 @@ class VeriCacheWorker(BaseSpecWorker):
                               drafter_kept=sum(round_.kept)))
         return self._result(logits_output, target.to(torch.int64).reshape(-1), accept_lens,
                             round_.committed + accept_lens, new_bonus, width=width, drafted=k,
-                            verified=True)
+                            verified=round_.drafts)
+
+    def _sample_first_position(self, batch, round_: _Round, logits_output
+                               ) -> tuple[torch.Tensor, LogitsProcessorOutput]:
+        """SGLang's own sampler (custom logit processors, logprobs) over the verify logits of
+        chain position 0, the logits a plain decode step samples from: every request's
+        plain-step token [bs] and the sampler's output (logprobs)."""
+        bs, width = len(batch.reqs), round_.k + 1
+        first = LogitsProcessorOutput(next_token_logits=logits_output.next_token_logits
+                                      .view(bs, width, -1)[:, 0].clone())
+        lens_cpu = round_.committed_cpu + 1
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=round_.tokens[0],
+            req_pool_indices=batch.req_pool_indices, seq_lens=round_.committed + 1,
+            out_cache_loc=round_.locs[:, 0], seq_lens_sum=int(lens_cpu.sum()),
+            seq_lens_cpu=lens_cpu, positions=round_.committed,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+            # The round's grammar masks, penalties and bias are already on these logits.
+            sampling_info=dataclasses.replace(
+                batch.sampling_info, grammars=None, penalizer_orchestrator=None,
+                acc_additive_penalties=None, acc_scaling_penalties=None, logit_bias=None),
+            return_logprob=batch.return_logprob, top_logprobs_nums=batch.top_logprobs_nums,
+            token_ids_logprobs=batch.token_ids_logprobs,
+        )
+        return self.model_runner.sample(first, fb), first
 
     def _result(self, logits_output, output_ids: torch.Tensor, accept_lens: torch.Tensor,
                 new_seq_lens: torch.Tensor, bonus: torch.Tensor, *, width: int,
-                drafted: int, verified: bool) -> GenerationBatchResult:
-        bs = accept_lens.shape[0]
-        self._count(bs, drafted, verified)
+                drafted: int, verified: list[bool]) -> GenerationBatchResult:
+        """The step's result for the scheduler; `verified` says which requests' runs were
+        verified rounds of `drafted` drafts (the others took a plain step)."""
+        self._count(drafted, verified)
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=output_ids,
             accept_lens=accept_lens,
             # Reported per request as meta_info["spec_cap_length"]: mean drafts per round.
-            cap_lens=torch.full((bs,), drafted, dtype=torch.int32),
+            cap_lens=torch.tensor([drafted if v else 0 for v in verified], dtype=torch.int32),
             next_draft_input=VeriCacheDraftInput(bonus_tokens=bonus, new_seq_lens=new_seq_lens),
             speculative_num_draft_tokens=width,
             speculative_output_stride=width,
@@ -684,22 +753,22 @@ class VeriCacheWorker(BaseSpecWorker):
             can_run_cuda_graph=False,
         )
 
-    def _count(self, bs: int, drafted: int, verified: bool) -> None:
-        """Count the step's rounds and drafts; its emitted tokens are counted as the scheduler
-        settles them (`settle_round`)."""
+    def _count(self, drafted: int, verified: list[bool]) -> None:
+        """Count the step's rounds, drafts and plain steps; its emitted tokens are counted as
+        the scheduler settles them (`settle_round`)."""
         self._settling = verified
-        counts = (RoundCounts(verify_rounds=bs, drafted_tokens=drafted * bs) if verified
-                  else RoundCounts(plain_decode_steps=bs))
-        self._add(counts)
+        rounds = sum(verified)
+        self._add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
+                              plain_decode_steps=len(verified) - rounds))
         if self.metrics is not None:
             self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
         self._publish_sizes()
 
-    def settle_round(self, *, emitted: int, accepted: int) -> None:
-        """Count the tokens a request kept of the last verified round: the scheduler calls
-        this once it knows whether a stop string, stop token or grammar ended the request
-        inside the run (`settle.py`)."""
-        if self._settling:
+    def settle_round(self, *, row: int, emitted: int, accepted: int) -> None:
+        """Count the tokens request `row` of the last step kept of its verified round: the
+        scheduler calls this once it knows whether a stop string, stop token or grammar ended
+        the request inside the run (`settle.py`)."""
+        if self._settling[row]:
             self._add(RoundCounts(accepted_drafts=accepted, emitted_tokens=emitted))
 
     def _add(self, counts: RoundCounts) -> None:
