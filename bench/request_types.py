@@ -1,6 +1,7 @@
 """Which requests draft: the share of emitted tokens that came from drafting rounds, by type.
 
-One VeriCache server (the demo model in float32, 4-bit tier, draft length adapting from 16).
+One VeriCache server (the demo model in float32, 4-bit tier, draft length adapting from 16,
+the full KV on the device: where it lives changes no count here).
 For each request type a batch of four requests runs alone; `/metrics` counters before and
 after give the tokens emitted by verified rounds, the plain decode steps, and the rounds. The
 share is round tokens / (round tokens + plain steps) (the token each prefill emits is in
@@ -29,8 +30,10 @@ from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 SERVER = ["--dtype", "float32", "--random-seed", "0", "--enable-metrics",
+          "--max-total-tokens", "32768", "--max-running-requests", "4",
           "--enable-custom-logit-processor", "--enable-vericache",
-          "--vericache-compressor", "kivi:bits=4", "--vericache-draft-length", "16"]
+          "--vericache-compressor", "kivi:bits=4", "--vericache-draft-length", "16",
+          "--vericache-full-tier", "device"]
 MODULES = ["argparse", "difflib", "inspect", "typing"]
 COUNTERS = ("verify_rounds", "emitted_tokens", "plain_decode_steps", "accepted_drafts")
 CUSTOM = {"custom_logit_processor": DisallowedTokensLogitsProcessor.to_str()}

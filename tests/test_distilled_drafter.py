@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vericache_sglang import distill, models, prompts
 
-MIN_AGREEMENT = 0.34
+MIN_AGREEMENT = 0.40
 """Teacher-forced top-1 agreement on the first 1,500 tokens of argparse.py (never trained on);
-the shipped weights measure 0.3513 (recipe.json); the margin covers float32 sums taken
+the shipped weights measure 0.4173 (recipe.json); the margin covers float32 sums taken
 in another order on another machine."""
 
 

@@ -3,12 +3,12 @@
 Why: truncating the target to its first layers makes a cheap drafter that rarely agrees with it
 (4 layers: 0.9% of greedy tokens), because the early residual stream is far from what the LM head
 reads. A few trained tensors close that gap. The draft model is the target's first
-`copied_layers` decoder layers (copied at build time), then a trained decoder layer and final
-norm, then an LM head made at build time as the target's embedding matrix times a trained
-576x576 projection (so the head is untied): a plain LlamaForCausalLM that shares the target's
-tokenizer and embeddings and decodes on its own KV cache.
+`copied_layers` decoder layers (copied at build time), then `trained_layers` trained decoder
+layers and final norm, then an LM head made at build time as the target's embedding matrix
+times a trained 576x576 projection (so the head is untied): a plain LlamaForCausalLM that
+shares the target's tokenizer and embeddings and decodes on its own KV cache.
 
-Only the trained tensors ship (drafter_weights/, a few MB); `build_draft_model` assembles the
+Only the trained tensors ship (drafter_weights/, under 16 MB); `build_draft_model` assembles the
 full Hugging Face directory from the target and them. Training data is text installed here that
 is not the Python standard library (third-party packages' sources and docs): the project's
 tests, benchmarks and demo prompt with stdlib files, which are the held-out evaluation set.

@@ -22,12 +22,14 @@ from vericache_sglang.speculative.sampling import SamplingRows, softmax_probs
 
 
 def chain_logprobs(logits: torch.Tensor, rows: SamplingRows, tokens: torch.Tensor,
-                   top_logprobs_nums: list[int], token_ids_logprobs: list[list[int] | None]
-                   ) -> LogprobResult:
+                   top_logprobs_nums: list[int] | None,
+                   token_ids_logprobs: list[list[int] | None] | None) -> LogprobResult:
     """Logprobs of `tokens` [bs, width] (each request's chain of emitted candidates) from the
     verify logits [bs * width, V], with each request's top logprobs and token-id logprobs at
-    every position."""
+    every position (the batch's lists, None when no request asks)."""
     bs, width = tokens.shape
+    top_logprobs_nums = top_logprobs_nums or [0] * bs
+    token_ids_logprobs = token_ids_logprobs or [None] * bs
     per_token = rows.repeat(width)
     if rows.all_greedy or SGLANG_RETURN_ORIGINAL_LOGPROB:
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -424,7 +424,7 @@ class VeriCacheWorker(BaseSpecWorker):
                              get_exec().kernel.sampling_backend)
 
     def _plain_decode(self, batch, committed: torch.Tensor, bonus: torch.Tensor):
-        """One ordinary decode step (SGLang's own), for batches VeriCache does not draft for."""
+        """One ordinary decode step (SGLang's own), for batches that return hidden states."""
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         slots = batch.req_pool_indices.to(torch.int64)
         batch.input_ids = bonus
@@ -459,10 +459,9 @@ class VeriCacheWorker(BaseSpecWorker):
         state: VeriCacheDraftInput = batch.spec_info
         committed = batch.seq_lens.to(torch.int64)
         bonus = state.bonus_tokens.reshape(-1).to(torch.int64)
-        drafts = self._drafting_rows(batch)
-        if not any(drafts):
+        if batch.return_hidden_states:
             return self._plain_decode(batch, committed, bonus)
-        round_ = self._plan_round(batch, committed, bonus, drafts)
+        round_ = self._plan_round(batch, committed, bonus, self._drafting_rows(batch))
         if self.drafter is not None and round_.k > 0 and round_.grammar is None:
             self._draft_stacked(batch, round_)
         else:
@@ -472,12 +471,13 @@ class VeriCacheWorker(BaseSpecWorker):
 
     def _plan_round(self, batch, committed: torch.Tensor, bonus: torch.Tensor,
                     drafts: list[bool]) -> _Round:
-        """The round's draft length (from the requests that draft) and where its tokens' K/V
-        go (the slots SGLang reserved beyond each request's committed length)."""
+        """The round's draft length (from the requests that draft; 0 without any) and where
+        its tokens' K/V go (the slots SGLang reserved beyond each request's committed
+        length)."""
         room = self._room(batch)
         drafting = [i for i, d in enumerate(drafts) if d]
-        k = min(self.policy.batch_length([batch.reqs[i].rid for i in drafting]),
-                max(room[i] for i in drafting) - 1)
+        k = (min(self.policy.batch_length([batch.reqs[i].rid for i in drafting]),
+                 max(room[i] for i in drafting) - 1) if drafting else 0)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
         locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
