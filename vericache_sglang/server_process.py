@@ -8,6 +8,7 @@ the same way and never leaves one running: the server gets its own process group
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,15 +22,34 @@ import requests
 HOST = "127.0.0.1"
 
 
+PORTS = range(10000, 22000)
+"""Where servers' ports are drawn from: below the kernel's ephemeral range (32768 up), whose
+ports any outgoing connection can take as its source port before the server binds the one
+bind(0) chose (seen in CI: "address already in use" for a port bind(0) had returned), and
+below SGLang's own range for its internal ports (22000-29999)."""
+
+BIND_FAILED = "error while attempting to bind"
+"""What uvicorn logs when the server's port was taken after it was chosen."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing uses right now, from `PORTS`."""
+    for port in random.sample(PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise ServerStartError(f"no free port in {PORTS.start}-{PORTS.stop - 1} on {HOST}")
 
 
 class ServerStartError(RuntimeError):
     """The server exited or stayed unhealthy; the message ends with its last log lines."""
+
+
+class PortTakenError(ServerStartError):
+    """Something else bound the server's port between choosing it and the server's bind."""
 
 
 class ServerProcess:
@@ -43,25 +63,40 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://{HOST}:{self.port}"
+        self.chosen_port = port is None
         # Without --max-total-tokens SGLang sizes the KV pool from free memory: 15 GB on CPU.
         # Without --sleep-on-idle an idle scheduler busy-polls a whole core.
-        self.argv = [
+        self.base_argv = [
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", str(model_path),
-            "--host", HOST, "--port", str(self.port),
             "--max-total-tokens", str(max_total_tokens),
             "--sleep-on-idle",
             *(args or []),
         ]
+        self._use_port(port or free_port())
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(tempfile.mkstemp(prefix="sglang-server-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
-    def start(self, timeout: float = 300.0) -> ServerProcess:
-        """Launch and block until /health answers 200 (or raise with the log's tail)."""
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://{HOST}:{port}"
+        self.argv = [*self.base_argv, "--host", HOST, "--port", str(port)]
+
+    def start(self, timeout: float = 300.0, attempts: int = 3) -> ServerProcess:
+        """Launch and block until /health answers 200 (or raise with the log's tail). A port
+        this object chose that is taken by the time the server binds it is chosen again."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except PortTakenError:
+                if not self.chosen_port or attempt == attempts - 1:
+                    raise
+                self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> ServerProcess:
         began = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -82,6 +117,9 @@ class ServerProcess:
                 raise ServerStartError(
                     f"server exited with status {self.proc.returncode}\n{self.log_tail()}"
                 )
+            # uvicorn logs the failed bind and then waits for a shutdown that never ends.
+            if BIND_FAILED in self.log_path.read_text(errors="replace"):
+                raise PortTakenError(f"port {self.port} was taken\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return

@@ -86,3 +86,43 @@ def test_states_follow_the_output_across_rounds():
     assert incremental.counted == rebuilt.counted == 5
     assert torch.equal(incremental.frequency, rebuilt.frequency)
     assert incremental.frequency[3] > incremental.frequency[7] > 0 == incremental.frequency[4]
+
+
+def test_a_rounds_calls_advance_one_running_state(monkeypatch):
+    """One-token drafting asks for steps 0, 1, 2, ... over drafts that only grow: each call
+    counts one more draft (k advances a round, not k^2/2). A call behind the running state
+    or over drafts changed under it (a rejected proposal, verification) still gets exactly
+    plain decoding's penalties."""
+    torch.manual_seed(1)
+    output, drafts = [3, 7], [7, 3, 3, 11, 9, 7]
+    penalized = dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1)
+    req = _req("r", output, **penalized)
+    zero_bias = torch.zeros(1, VOCAB)
+    round_ = RoundPenalties.for_batch(
+        PenaltyStates(VOCAB, "cpu"),
+        SimpleNamespace(reqs=[req], sampling_info=SimpleNamespace(logit_bias=None)))
+    advances = 0
+    original = type(round_._base[0]).advance
+
+    def counting(self, token, params):
+        nonlocal advances
+        advances += 1
+        original(self, token, params)
+
+    monkeypatch.setattr(type(round_._base[0]), "advance", counting)
+
+    def check(steps: list[int], chain: list[int]) -> None:
+        logits = torch.randn(len(steps), VOCAB) * 8
+        got = logits.clone()
+        round_.penalize(got, [0] * len(steps), steps, [chain])
+        for row, step in enumerate(steps):
+            want = _sglang_logits([_req("r", output + chain[:step], **penalized)],
+                                  logits[row : row + 1], zero_bias)
+            assert torch.equal(got[row], want[0]), (steps, step)
+
+    for step in range(len(drafts)):  # one-token drafting
+        check([step], drafts[:step])
+    assert advances == len(drafts) - 1
+    check([3, 4, 5], drafts[:3] + [11, 2])  # level 1 over proposals at step 3
+    check([4], drafts[:3] + [11])  # the second proposal rejected
+    check(list(range(len(drafts) + 1)), drafts)  # verification

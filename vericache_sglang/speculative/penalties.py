@@ -117,6 +117,7 @@ class RoundPenalties:
                        for i, req in self._reqs.items()
                        if len(req.output_ids) < req.sampling_params.min_new_tokens}
         self._bias = logit_bias
+        self._cursors: dict[int, tuple[_State, list[int]]] = {}
 
     @classmethod
     def for_batch(cls, states: PenaltyStates, batch: Any) -> RoundPenalties | None:
@@ -135,14 +136,36 @@ class RoundPenalties:
             if i in self._reqs:
                 by_request.setdefault(i, []).append((step, row))
         for i, rows in by_request.items():
-            params, base = self._reqs[i].sampling_params, self._base[i]
-            state, stops = base.copy(), self._stops.get(i)
-            for step, row in sorted(rows):
-                while state.counted - base.counted < step:
-                    state.advance(drafts[i][state.counted - base.counted], params)
+            rows.sort()
+            params, stops = self._reqs[i].sampling_params, self._stops.get(i)
+            state = self._state_at(i, rows[0][0], drafts[i])
+            if len(rows) > 1:  # later rows count drafts the next call may not keep
+                state = state.copy()
+            for step, row in rows:
+                self._advance(state, i, step, drafts[i])
                 for penalizer in PENALIZERS:
                     self._apply(penalizer, logits[row : row + 1], state,
                                 stops if state.counted < params.min_new_tokens else None)
+
+    def _state_at(self, i: int, step: int, drafts: list[int]) -> _State:
+        """Request i's state counting `drafts[:step]`. A round's calls ask for steps that
+        mostly only grow over drafts that only extend, so one running state per request is
+        advanced in place (k advances a round, not k^2/2); a call behind it or over drafts that
+        changed under it (a rejected proposal, verification after drafting) starts it over."""
+        cursor = self._cursors.get(i)
+        if (cursor is None or cursor[0].counted - self._base[i].counted > step
+                or drafts[: len(cursor[1])] != cursor[1]):
+            cursor = self._cursors[i] = (self._base[i].copy(), [])
+        state, counted = cursor
+        self._advance(state, i, step, drafts)
+        counted[:] = drafts[:step]
+        return state
+
+    def _advance(self, state: _State, i: int, step: int, drafts: list[int]) -> None:
+        """Count request i's drafts up to `drafts[:step]` in `state`."""
+        base, params = self._base[i], self._reqs[i].sampling_params
+        while state.counted - base.counted < step:
+            state.advance(drafts[state.counted - base.counted], params)
 
     @staticmethod
     def _apply(penalizer: type, logits: torch.Tensor, state: _State,
