@@ -7,9 +7,12 @@ after give the tokens emitted by verified rounds, the plain decode steps, and th
 share is round tokens / (round tokens + plain steps) (the token each prefill emits is in
 neither); E is round tokens per verified round. The last batch mixes three greedy requests
 with one that cannot draft (a custom logit processor): before per-request drafting, that one
-request turned drafting off for the whole batch.
+request turned drafting off for the whole batch. With `--drafter ngram` the n-gram corpus
+proposes under the compressed-KV drafter, and the table adds drafts per level-1 forward and the
+proposals level 1 kept.
 
-    .venv/bin/python -m bench.request_types [--max-new-tokens 64] [--write-docs docs/drafting.md]
+    .venv/bin/python -m bench.request_types [--max-new-tokens 64] [--drafter ngram]
+        [--only grammar tools] [--write-docs docs/drafting.md]
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ SERVER = ["--dtype", "float32", "--random-seed", "0", "--enable-metrics",
           "--vericache-compressor", "kivi:bits=4", "--vericache-draft-length", "16",
           "--vericache-full-tier", "device"]
 MODULES = ["argparse", "difflib", "inspect", "typing"]
-COUNTERS = ("verify_rounds", "emitted_tokens", "plain_decode_steps", "accepted_drafts")
+COUNTERS = ("verify_rounds", "emitted_tokens", "plain_decode_steps", "accepted_drafts",
+            "drafted_tokens", "draft_forwards", "drafter_proposed", "drafter_kept")
 CUSTOM = {"custom_logit_processor": DisallowedTokensLogitsProcessor.to_str()}
 
 
@@ -106,36 +110,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.request_types", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--drafter", choices=["none", "ngram"], default="none",
+                        help="level-2 drafter of the VeriCache server")
+    parser.add_argument("--only", nargs="+", metavar="WORD",
+                        help="run only the request types whose names contain one of these")
     parser.add_argument("--write-docs", type=Path,
                         help="docs page with a request-types section to replace")
     args = parser.parse_args()
     model = models.prepare().target
     tokenizer = AutoTokenizer.from_pretrained(model)
-    batches = _batches(tokenizer, args.max_new_tokens)
+    batches = {name: batch for name, batch in _batches(tokenizer, args.max_new_tokens).items()
+               if not args.only or any(word in name for word in args.only)}
+    stacked = args.drafter != "none"
     rows = []
-    with ServerProcess(model, SERVER) as server:
+    with ServerProcess(model, [*SERVER, "--vericache-drafter", args.drafter]) as server:
         for name, batch in batches.items():
             counts = _measure(server, batch)
             emitted, plain = counts["emitted_tokens"], counts["plain_decode_steps"]
             share = emitted / (emitted + plain) if emitted + plain else 0.0
             e = emitted / counts["verify_rounds"] if counts["verify_rounds"] else None
-            rows.append((name, int(emitted), int(plain), share, e))
+            level1 = (f"{counts['drafted_tokens'] / counts['draft_forwards']:.2f}"
+                      if counts["draft_forwards"] else "-")
+            kept = f"{int(counts['drafter_kept'])}/{int(counts['drafter_proposed'])}"
+            rows.append((name, int(emitted), int(plain), share, e, level1, kept))
             print(f"[bench] {name}: {share:.0%} of decoded tokens from rounds", flush=True)
+    command = "python -m bench.request_types" + (f" --drafter {args.drafter}" if stacked else "")
     lines = [
-        f"\nMeasured by `python -m bench.request_types` (batches of 4 requests, up to "
-        f"{args.max_new_tokens} new tokens each, 600-token code prompts or short chats, "
-        "float32, one run on this 2-core CPU machine):\n",
+        f"\nMeasured by `{command}` (batches of 4 requests, up to {args.max_new_tokens} new "
+        "tokens each, 600-token code prompts or short chats, float32, one run on this 2-core "
+        "CPU machine):\n",
         "| request type | tokens from rounds | plain steps | share from rounds "
-        "| E (tokens per round) |",
-        "|---|---|---|---|---|",
+        "| E (tokens per round) |" + (" drafts per level-1 forward | level-2 kept |"
+                                      if stacked else ""),
+        "|---|---|---|---|---|" + ("---|---|" if stacked else ""),
     ]
     lines += [f"| {name} | {emitted} | {plain} | {share:.0%} | "
               f"{'-' if e is None else f'{e:.2f}'} |"
-              for name, emitted, plain, share, e in rows]
+              + (f" {level1} | {kept} |" if stacked else "")
+              for name, emitted, plain, share, e, level1, kept in rows]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.write_docs:
-        replace_section(args.write_docs, "request-types", table)
+        replace_section(args.write_docs,
+                        "request-types" + (f"-{args.drafter}" if stacked else ""), table)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ class VeriCacheConfig:
             "included) or in other requests; the model over the compressed tier checks each "
             "proposal in one forward and keeps what it agrees with, and the full KV verifies "
             "as always. Suits code, agent traces and long documents, which repeat their "
-            "context. 'model': the small model --vericache-draft-model names. Requests with a "
-            "grammar draft one token per forward. 'none': one token per drafting forward.",
+            "context. 'model': the small model --vericache-draft-model names. A request with a "
+            "grammar has its proposals checked under the grammar's mask at each position. "
+            "'none': one token per drafting forward.",
             "choices": DRAFTERS,
         },
     )

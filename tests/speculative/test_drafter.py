@@ -73,9 +73,9 @@ def test_real_prompts_in_one_batch(ngram_server, plain, prompt_ids):
 
 
 def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer):
-    """Stop strings inside a round, a streamed request and a JSON schema (drafted one token per
-    forward: grammars do not stack) together: plain SGLang's tokens, and /metrics counts the
-    levels meta_info reports."""
+    """Stop strings inside a round, a streamed request and a JSON schema (its proposals
+    checked under the schema's mask at each position) together: plain SGLang's tokens, and
+    /metrics counts the levels meta_info reports."""
     schema = json.dumps({"type": "object", "properties": {
         "name": {"type": "string"}, "returns": {"type": "string"}},
         "required": ["name", "returns"]})
@@ -93,7 +93,7 @@ def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer)
     assert delta["vericache:draft_forwards_total"] == sum(levels(out)[0] for out in got)
     assert delta["vericache:drafter_proposed_total"] == sum(levels(out)[1] for out in got)
     assert delta["vericache:drafter_kept_total"] == sum(levels(out)[2] for out in got)
-    assert levels(got[2])[1] == 0  # the grammar request drafted one token per forward
+    assert levels(got[2])[1] > 0  # the drafter proposed for the grammar request
 
     request = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
     chunks = stream_chunks(ngram_server, request)

@@ -18,6 +18,7 @@ from tests.conftest import SERVER_ARGS
 from tests.speculative.identity import (
     CONSTRAINED_PROMPT,
     CONSTRAINTS,
+    levels,
     payload,
     send_all,
     stats,
@@ -27,25 +28,32 @@ from vericache_sglang.server_process import ServerProcess
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
 
+LLGUIDANCE = [*SERVER_ARGS, "--grammar-backend", "llguidance"]
+
+
 @pytest.fixture(scope="module")
-def llguidance_servers(demo_model: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """(plain SGLang, VeriCache), both with --grammar-backend llguidance."""
-    args = [*SERVER_ARGS, "--grammar-backend", "llguidance"]
-    with ServerProcess(demo_model, args) as plain, \
-            ServerProcess(demo_model, [*args, "--enable-vericache"]) as vericache:
-        yield plain, vericache
+def llguidance_plain(demo_model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(demo_model, LLGUIDANCE) as plain:
+        yield plain
 
 
-def test_llguidance_grammars_draft_and_equal_plain(llguidance_servers, tokenizer):
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_llguidance_grammars_draft_and_equal_plain(llguidance_plain, demo_model, tokenizer,
+                                                   drafter):
     """A JSON schema and a regex, in one batch: plain SGLang's tokens under llguidance, and
-    each request drafted (so its grammar was advanced over drafts and rolled back)."""
-    plain, vericache = llguidance_servers
+    each request drafted (so its grammar was advanced over drafts and rolled back); with the
+    n-gram drafter, over proposals its masks checked (a forbidden proposal never reaches
+    llguidance's matcher, which cannot recover from one)."""
     batch = [payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=64, **constraint)
              for constraint in CONSTRAINTS.values()]
-    expected = send_all(plain, batch)
-    got = send_all(vericache, batch)
+    expected = send_all(llguidance_plain, batch)
+    with ServerProcess(demo_model, [*LLGUIDANCE, "--enable-vericache",
+                                    "--vericache-drafter", drafter]) as vericache:
+        got = send_all(vericache, batch)
     for name, want, out in zip(CONSTRAINTS, expected, got, strict=True):
         assert out["output_ids"] == want["output_ids"], name
         assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], name
         rounds, drafted, _ = stats(out)
         assert drafted > 0 and rounds < len(out["output_ids"]), name
+    if drafter == "ngram":
+        assert sum(levels(out)[1] for out in got) > 0

@@ -21,8 +21,8 @@ fewer forwards: the drafter proposes a few tokens, one forward of the target ove
 compressed tier checks [last draft, proposals], keeps a prefix of the proposals and adds a
 token of its own, until the draft has k tokens. Greedy and seeded drafts are exactly those
 one-token steps make; sampled drafts follow the same q (`sampling.check_proposal`), so
-verification and output are unchanged; only the forwards differ. Batches with a grammar draft
-one token per forward.
+verification and output are unchanged; only the forwards differ. Requests with a grammar
+check proposals under the masks of each position (`grammar.py`).
 
 A request with a grammar drafts and verifies under the same vocab masks (`grammar.py`), one
 with penalties or logit bias under the penalty state of each chain position (`penalties.py`),
@@ -462,7 +462,7 @@ class VeriCacheWorker(BaseSpecWorker):
         if batch.return_hidden_states:
             return self._plain_decode(batch, committed, bonus)
         round_ = self._plan_round(batch, committed, bonus, self._drafting_rows(batch))
-        if self.drafter is not None and round_.k > 0 and round_.grammar is None:
+        if self.drafter is not None and round_.k > 0:
             self._draft_stacked(batch, round_)
         else:
             self._draft(batch, round_)
@@ -558,7 +558,7 @@ class VeriCacheWorker(BaseSpecWorker):
         that follow level 1's distribution q, recorded for verification), until every request
         has k drafts. Rejected proposals' K/V stay in the round's scratch tail past the
         request's draft and are overwritten by its next forward; nothing reaches the KV pool."""
-        reqs, k, bs = batch.reqs, round_.k, len(batch.reqs)
+        reqs, k, bs, grammar = batch.reqs, round_.k, len(batch.reqs), round_.grammar
         rids = [req.rid for req in reqs]
         self.drafter.observe(reqs)
         depth = self.drafter.context
@@ -594,6 +594,11 @@ class VeriCacheWorker(BaseSpecWorker):
                     round_.penalties.penalize(logits, requests, steps,
                                               [chain + offered.get(i, [])
                                                for i, chain in enumerate(chains)])
+                if grammar is not None:
+                    grammar.constrain_proposals(logits, [
+                        (i, len(chains[i]), proposal)
+                        for i, proposal in zip(active, proposals, strict=True)])
+                if round_.penalties is not None:
                     round_.penalties.bias(logits, requests)
                 row = 0
                 for i, proposal in zip(active, proposals, strict=True):
@@ -605,6 +610,8 @@ class VeriCacheWorker(BaseSpecWorker):
                         + torch.arange(width, device=device), proposal)
                     row += width
                     kept = len(added) - 1
+                    if grammar is not None:
+                        grammar.settle_proposal(i, kept, added[-1])
                     chains[i] += added
                     last[i] = added[-1]
                     if q is not None:
@@ -619,6 +626,8 @@ class VeriCacheWorker(BaseSpecWorker):
             self.peak_round_bytes = max(self.peak_round_bytes, round_.round_buffer_bytes)
         finally:
             self.draft_backend.end_round()
+            if grammar is not None:
+                grammar.finish_drafting()
         device = round_.committed.device
         round_.tokens.extend(torch.tensor([chain[step] for chain in chains], device=device)
                              for step in range(k))
