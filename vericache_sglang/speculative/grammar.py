@@ -120,8 +120,7 @@ class RoundGrammar:
         the proposals it did not keep and advance over its token."""
         if i not in self._grammars:
             return
-        tentative = self._tentative.pop(i, 0)
-        extra = tentative - min(kept, tentative)
+        extra = max(self._tentative.pop(i, 0) - kept, 0)
         if extra:
             self._grammars[i].rollback(extra)
             self._advanced[i] -= extra
@@ -138,4 +137,3 @@ class RoundGrammar:
     def constrain_verify(self, logits: torch.Tensor) -> None:
         """Mask the verify logits [bs * width, vocab] in place."""
         self._apply(logits, slice(None))
-
