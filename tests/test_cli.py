@@ -1,6 +1,9 @@
 """`python -m sglang.launch_server` shows VeriCache's flags and refuses bad values at startup
 with one readable line and exit status 1, whether the launcher finds them (flags) or the
-scheduler does (a device budget too small for what VeriCache must keep on the device)."""
+scheduler does (a device budget too small for what VeriCache must keep on the device).
+
+One launch per place an error is found: each value VeriCache's own settings refuse is checked
+in-process by tests/test_config.py, and a launch costs ~20 s of a CI core."""
 
 from __future__ import annotations
 
@@ -12,21 +15,10 @@ import pytest
 BAD_FLAGS = {
     "unknown compressor": (["--enable-vericache", "--vericache-compressor", "zip:level=3"],
                            "zip"),
-    "zero draft length": (["--enable-vericache", "--vericache-draft-length", "0"],
-                          "--vericache-draft-length"),
-    "negative draft length": (["--enable-vericache", "--vericache-draft-length=-4"],
-                              "--vericache-draft-length"),
-    "budget not a size": (["--enable-vericache", "--vericache-full-tier-budget", "lots"],
-                          "--vericache-full-tier-budget"),
-    "bad placement": (["--enable-vericache", "--vericache-full-tier", "cloud"],
-                      "--vericache-full-tier"),
     "disk tier on another store": (["--enable-vericache", "--vericache-full-tier", "disk",
                                     "--hicache-storage-backend", "mooncake"],
                                    "stores pages in files"),
     "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
-    "draft length past its bound": (["--enable-vericache", "--vericache-draft-length", "10000",
-                                     "--vericache-max-draft-length", "10000"],
-                                    "at most 256"),
     "draft longer than the context": (["--enable-vericache", "--context-length", "64"],
                                       "leaves no room in --context-length 64"),
     "speculative flags VeriCache sets": (["--enable-vericache",
@@ -36,8 +28,6 @@ BAD_FLAGS = {
                      "--enable-mixed-chunk cannot be combined"),
     "fp8 KV": (["--enable-vericache", "--kv-cache-dtype", "fp8_e4m3"],
                "--kv-cache-dtype fp8_e4m3 with --enable-vericache is not supported yet"),
-    "unknown drafter": (["--enable-vericache", "--vericache-drafter", "eagle"],
-                        "--vericache-drafter must be one of none, ngram, model"),
     "grammar backend without rollback": (["--enable-vericache", "--grammar-backend", "outlines"],
                                          "--grammar-backend outlines cannot be combined"),
     "device budget too small": (["--enable-vericache", "--max-total-tokens", "1000"],

@@ -42,11 +42,11 @@ def _weight_bytes(model_dir: Path) -> tuple[int, int]:
 
 
 def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, prompt_ids):
-    """The 4-layer truncation proposes up to 3 tokens; three requests at once, a stop string
+    """The 4-layer truncation proposes up to 3 tokens; two requests at once, a stop string
     and a streamed request: plain SGLang's tokens. Its proposals were checked and nearly all
     rejected. The server reports the draft model's device bytes, measured from its tensors:
     its layers, not the embedding it reads from the target."""
-    names = ["heapq_400", "chat_palindrome", "chat_fnmatch"]
+    names = ["heapq_400", "chat_fnmatch"]
     with ServerProcess(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model", str(demo_models.draft),
         "--vericache-drafter-max-length", "3",
@@ -59,7 +59,7 @@ def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, pro
         assert 0 <= kept < proposed / 2
 
         stopped = payload(prompt_ids["bisect_300"], "code", max_new_tokens=64, stop=["return"])
-        streamed = payload(prompt_ids["csv_700"], "code", max_new_tokens=48)
+        streamed = payload(prompt_ids["csv_700"], "code", max_new_tokens=32)
         chunks = stream_chunks(server, streamed)
         assert chunks[-1]["output_ids"] == plain(streamed)["output_ids"]
         assert send_all(server, [stopped])[0]["output_ids"] == plain(stopped)["output_ids"]
