@@ -4,9 +4,10 @@ A round advances each request's grammar over its drafts and rolls it back before
 verification (`vericache_sglang/speculative/grammar.py`). xgrammar, SGLang's default, is what
 test_identity.py's constrained tests run on; here llguidance, against plain SGLang on the
 same backend (backends compile a schema to different token masks, so each is compared with
-itself), under the n-gram drafter: its rounds check proposals under each position's mask. The masks of
-single-level drafting (no drafter, one token per forward) are compared with the proposal
-path's on both backends in test_grammar.py, which saves CI a server start here. outlines has no rollback and is refused at startup (test_cli.py).
+itself), under the n-gram drafter: its rounds check proposals under each position's mask.
+The masks of single-level drafting (no drafter, one token per forward) are compared with the
+proposal path's on both backends in test_grammar.py, which saves CI a server start here.
+outlines has no rollback and is refused at startup (test_cli.py).
 """
 
 from __future__ import annotations
