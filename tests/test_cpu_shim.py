@@ -1,11 +1,22 @@
 """The torch stand-ins for the sgl_kernel ops SGLang's CPU engine calls, and the finder that
-provides them only where no real sgl_kernel exists."""
+provides them only where no real sgl_kernel exists.
+
+The stand-ins for SGLang's NGRAM speculative decoding are compared with SGLang's own Triton
+kernels for the same contracts, run by Triton's interpreter on CPU tensors. Triton fixes
+interpreted vs compiled execution when each kernel is decorated, i.e. at import, so
+TRITON_INTERPRET=1 must be set before triton is first imported: a normal run re-runs this file
+in a subprocess with it set, and only there do the interpreter tests run.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -161,3 +172,192 @@ def test_page_first_host_pool_round_trip():
         dst_indices=SRC, layer_id=1, item_size=item, src_layout_dim=LAYERS * item)
     assert torch.equal(loaded_k[SRC], device_k[1][SRC])
     assert torch.equal(loaded_v[SRC], device_v[1][SRC])
+
+
+def test_speculative_module_is_served_and_names_missing_ops() -> None:
+    """In a fresh process (as in SGLang's scheduler), `import sgl_kernel.speculative` finds the
+    stand-in through the finder, with the torch reconstruct op, and an op it lacks raises with
+    its full name rather than failing somewhere downstream."""
+    code = textwrap.dedent("""
+        import sgl_kernel.speculative as spec
+        from sgl_kernel import speculative
+        print(spec is speculative, spec.__file__.endswith("speculative_shim.py"))
+        print(spec.reconstruct_indices_from_tree_mask.__module__)
+        try:
+            spec.build_tree_kernel_efficient()
+        except NotImplementedError as e:
+            print(e)
+        else:
+            print("no error")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["True", "True"]
+    assert lines[1] == "sgl_kernel.speculative"
+    assert lines[2].startswith("sgl_kernel.speculative.build_tree_kernel_efficient has no CPU")
+
+
+# NGRAM speculative decoding's ops, against SGLang's Triton kernels under the interpreter.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
+
+
+def test_speculative_ops_equal_sglang_triton_kernels_under_the_interpreter() -> None:
+    """Run this file with TRITON_INTERPRET=1 in a fresh process and require every test to pass."""
+    if INTERPRETING:
+        pytest.skip("this process is the interpreter run")
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    # every test ran except this one: nothing was skipped for want of the interpreter
+    assert re.search(r"\b\d+ passed, 1 skipped\b", output), output
+
+
+@pytest.fixture(scope="module")
+def sglang_spec() -> tuple[ModuleType, ModuleType, ModuleType]:
+    """SGLang's speculative op modules, their kernels interpreted and their CPU paths bound to
+    the stand-ins (which is what SGLang's NGRAM worker calls on CPU)."""
+    pytest.importorskip("triton")
+    import sgl_kernel
+    from sglang.kernels.ops.speculative import cache_locs, reconstruct_tree, spec_tree
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for kernel in (reconstruct_tree._reconstruct_tree_mask_kernel,
+                   spec_tree.verify_tree_greedy_kernel_triton, cache_locs.assign_extend_cache_locs):
+        assert isinstance(kernel, InterpretedFunction)
+    assert spec_tree._is_cpu and cache_locs._is_cpu
+    assert reconstruct_tree.reconstruct_indices_from_tree_mask is (
+        sgl_kernel.speculative.reconstruct_indices_from_tree_mask)
+    assert spec_tree.sgl_verify_tree_greedy_cpu is sgl_kernel.verify_tree_greedy_cpu
+    assert cache_locs.assign_extend_cache_locs_cpu is sgl_kernel.assign_extend_cache_locs_cpu
+    return reconstruct_tree, spec_tree, cache_locs
+
+
+# (batch size, draft_token_num): one node only, a BLOCK_N above n (5, 6, 12), several requests.
+TREE_CASES = [(1, 1), (1, 8), (2, 5), (3, 8), (4, 6), (4, 12)]
+
+
+def _ngram_tree_masks(gen: torch.Generator, bs: int, n: int, deep: bool = False) -> torch.Tensor:
+    """Flat [bs * n * n] bool masks shaped as SGLang's n-gram corpus writes them
+    (kernels/jit/csrc/ngram_corpus/result.cpp): node 0 is the last verified token, each other
+    node's parent is an earlier node (one of the last two if `deep`), row i copies its parent's
+    row and marks i itself; nodes past a request's match are padding, children of the root."""
+    mask = torch.zeros(bs, n, n, dtype=torch.bool)
+    for b in range(bs):
+        matched = int(torch.randint(1, n + 1, (1,), generator=gen))
+        mask[b, 0, 0] = True
+        for i in range(1, n):
+            low = max(i - 2, 0) if deep else 0
+            parent = int(torch.randint(low, i, (1,), generator=gen)) if i < matched else 0
+            mask[b, i] = mask[b, parent]
+            mask[b, i, i] = True
+    return mask.flatten()
+
+
+def _tree_metadata(reconstruct, mask: torch.Tensor, seq_lens: torch.Tensor, bs: int,
+                   n: int) -> list[torch.Tensor]:
+    """Run a reconstruct op on the [:bs] slices of buffers sized for one more request, as the
+    NGRAM worker does; the spare row (filled with -7) shows nothing is written past bs."""
+    positions = torch.full(((bs + 1) * n,), -7, dtype=torch.int64)
+    index, next_token, next_sibling = (torch.full((bs + 1, n), -7, dtype=torch.int64)
+                                       for _ in range(3))
+    reconstruct(mask, seq_lens, positions[: bs * n], index[:bs], next_token[:bs],
+                next_sibling[:bs], bs, n)
+    return [positions, index, next_token, next_sibling]
+
+
+@interpreter_only
+@pytest.mark.parametrize("noise", [False, True], ids=["ngram", "flipped-bits"])
+@pytest.mark.parametrize(("bs", "n"), TREE_CASES)
+def test_reconstruct_indices_equal_triton(sglang_spec, bs: int, n: int, noise: bool) -> None:
+    """Positions and traversal links from a tree mask equal SGLang's Triton kernel. With noise,
+    random bits of the mask are flipped: bits on and above the diagonal (which the contract
+    ignores) and ancestors dropped, so that nodes other than 0 become roots."""
+    reconstruct_tree, _, _ = sglang_spec
+    gen = torch.Generator().manual_seed(bs * 100 + n + 1000 * noise)
+    mask = _ngram_tree_masks(gen, bs, n)
+    if noise:
+        mask ^= (torch.rand(bs * n * n, generator=gen) < 0.3)
+    seq_lens = torch.randint(1, 500, (bs,), generator=gen)
+    want = _tree_metadata(reconstruct_tree.reconstruct_indices_from_tree_mask_triton, mask,
+                          seq_lens, bs, n)
+    got = _tree_metadata(reconstruct_tree.reconstruct_indices_from_tree_mask_func, mask,
+                         seq_lens, bs, n)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g, w)
+    if n > 1:  # the cases hold real trees: some node has a child and some a sibling
+        assert (want[2][:bs] >= 0).any() and (want[3][:bs] >= 0).any()
+
+
+@interpreter_only
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("deep", [False, True], ids=["bushy", "deep"])
+@pytest.mark.parametrize(("bs", "n"), TREE_CASES)
+def test_verify_tree_greedy_equals_triton(sglang_spec, bs: int, n: int, deep: bool,
+                                          seed: int) -> None:
+    """Greedy verification of n-gram trees (metadata from their masks) equals SGLang's Triton
+    kernel. Drafts come from a 3-token vocabulary and the target usually predicts one of a
+    node's children, so requests accept paths of different lengths, through siblings too."""
+    reconstruct_tree, spec_tree, _ = sglang_spec
+    gen = torch.Generator().manual_seed(seed * 1000 + bs * 100 + n + 10_000 * deep)
+    mask = _ngram_tree_masks(gen, bs, n, deep)
+    seq_lens = torch.randint(1, 500, (bs,), generator=gen)
+    _, index, next_token, next_sibling = (t[:bs] for t in _tree_metadata(
+        reconstruct_tree.reconstruct_indices_from_tree_mask_triton, mask, seq_lens, bs, n))
+    candidates = torch.randint(0, 3, (bs, n), generator=gen)
+    target = torch.randint(0, 3, (bs, n), generator=gen)
+    node = torch.arange(n)
+    ancestors = mask.view(bs, n, n) & (node < node[:, None])
+    parent = torch.where(ancestors, node, -1).amax(-1)
+    children = parent[:, None, :] == node[None, :, None]  # [b, t, k]: k is a child of t
+    for b, t in (children.any(-1) & (torch.rand(bs, n, generator=gen) < 0.8)).nonzero().tolist():
+        kids = children[b, t].nonzero().flatten()
+        pick = kids[torch.randint(0, len(kids), (1,), generator=gen)]
+        target[b, t] = candidates[b, pick]
+
+    def verify(fn) -> list[torch.Tensor]:
+        predicts = torch.zeros(bs * n, dtype=torch.int32)
+        accept_index = torch.full((bs, n), -1, dtype=torch.int32)
+        accept_num = torch.full((bs,), -7, dtype=torch.int32)
+        fn(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
+           candidates=candidates, retrieve_index=index, retrieve_next_token=next_token,
+           retrieve_next_sibling=next_sibling, target_predict=target)
+        return [predicts, accept_index, accept_num]
+
+    want = verify(spec_tree.verify_tree_greedy_triton)
+    got = verify(spec_tree.verify_tree_greedy_func)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g, w)
+
+
+@interpreter_only
+@pytest.mark.parametrize("bs", [1, 2, 3, 4])
+def test_assign_extend_cache_locs_equals_triton(sglang_spec, bs: int) -> None:
+    """Gathering each request's KV slots req_to_token[row, start:end] into one flat array
+    equals SGLang's Triton kernel, for requests of different lengths (none, and over the
+    kernel's 32-slot block); slots past the total stay untouched."""
+    from sglang.srt.utils import next_power_of_2
+
+    _, _, cache_locs = sglang_spec
+    gen = torch.Generator().manual_seed(bs)
+    req_to_token = torch.randint(0, 10_000, (6, 80), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(6, generator=gen)[:bs]
+    start = torch.randint(0, 40, (bs,), generator=gen)
+    end = start + torch.tensor([37, 0, 5, 12])[:bs][torch.randperm(bs, generator=gen)]
+    total = int((end - start).sum())
+
+    def gather(fn, *extra) -> torch.Tensor:
+        out = torch.full((total + 3,), -7, dtype=torch.int64)
+        fn(rows, req_to_token, start, end, out, req_to_token.shape[1], *extra)
+        return out
+
+    want = gather(cache_locs.assign_extend_cache_locs[(bs,)], next_power_of_2(bs))
+    got = gather(cache_locs.assign_extend_cache_locs_cpu)
+    assert torch.equal(got, want), (got, want)
+    assert (want[:total] >= 0).all() and (want[total:] == -7).all()

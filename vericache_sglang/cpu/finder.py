@@ -6,7 +6,8 @@ SGLang's scheduler and detokenizer are spawned processes that import `sgl_kernel
 start; the plugin calls it too. Both steps do nothing where an NVIDIA GPU is present.
 
 The finder serves `vericache_sglang.cpu.sgl_kernel_shim` as `sgl_kernel` and
-`vericache_sglang.cpu.kvcacheio_shim` as `sgl_kernel.kvcacheio`. It is appended to the
+`vericache_sglang.cpu.kvcacheio_shim` as `sgl_kernel.kvcacheio` and
+`vericache_sglang.cpu.speculative_shim` as `sgl_kernel.speculative`. It is appended to the
 *end* of `sys.meta_path`, so an installed sgl_kernel is always found first and never shadowed.
 """
 
@@ -20,7 +21,8 @@ import sys
 
 # name SGLang imports -> the module that stands in for it
 SHIMS = {"sgl_kernel": "vericache_sglang.cpu.sgl_kernel_shim",
-         "sgl_kernel.kvcacheio": "vericache_sglang.cpu.kvcacheio_shim"}
+         "sgl_kernel.kvcacheio": "vericache_sglang.cpu.kvcacheio_shim",
+         "sgl_kernel.speculative": "vericache_sglang.cpu.speculative_shim"}
 
 
 def nvidia_gpu_present() -> bool:

@@ -4,7 +4,8 @@ No CPU build of sgl-kernel is on PyPI, yet SGLang's CPU engine imports a handful
 module level. This module stands in for the package on machines without a GPU (see
 `vericache_sglang.cpu.finder`): ops our code paths call are implemented in torch; every other
 name resolves to a callable that raises, naming the op, so nothing fails silently.
-`sgl_kernel.kvcacheio` is `vericache_sglang.cpu.kvcacheio_shim`.
+`sgl_kernel.kvcacheio` is `vericache_sglang.cpu.kvcacheio_shim`, `sgl_kernel.speculative`
+`vericache_sglang.cpu.speculative_shim`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __version__ = "0.0.0+vericache.cpu"
 IS_VERICACHE_CPU_SHIM = True
 # A package, so that `sgl_kernel.kvcacheio` (HiCache's transfer ops) can be found beneath it.
 __path__: list[str] = []
-SUBMODULES = ("kvcacheio",)
+SUBMODULES = ("kvcacheio", "speculative")
 
 
 class MissingCpuKernelError(NotImplementedError):
@@ -83,12 +84,92 @@ def fill_accept_out_cache_loc_cpu(
     accept_out_cache_loc[: kept.numel()] = out_cache_loc[kept]
 
 
+def assign_extend_cache_locs_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """Gather each request's KV slots `req_to_token[row, start:end]` into `out_cache_loc`,
+    request after request: the Triton `assign_extend_cache_locs` of
+    `sglang/kernels/ops/speculative/cache_locs.py` (request i's slots start at the sum of the
+    earlier requests' `end - start`)."""
+    del pool_len  # rows are addressed through req_to_token itself
+    offsets = _segment_offsets(start_offset, end_offset)
+    rows = req_pool_indices.tolist()
+    starts = start_offset.tolist()
+    ends = end_offset.tolist()
+    for i, row in enumerate(rows):
+        out_cache_loc[offsets[i] : offsets[i + 1]] = req_to_token[row, starts[i] : ends[i]].to(
+            out_cache_loc.dtype
+        )
+
+
+def verify_tree_greedy_cpu(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+) -> None:
+    """Greedy verification of a draft tree, in place: `verify_tree_greedy_kernel_triton` of
+    `sglang/kernels/ops/speculative/spec_tree.py`.
+
+    Per request b, from the root (`retrive_index[b, 0]`, the first entry of `accept_index[b]`):
+    for up to `accept_index.shape[1] - 1` levels, walk the current node's children (first
+    child, then next siblings, at most n of them) for the draft token equal to the target's
+    argmax after the last accepted node; on a match write that argmax to `predicts` at the last
+    accepted node's flat index, append the child's `retrive_index` to `accept_index[b]` and
+    descend, else stop. `accept_token_num[b]` = drafts accepted; `predicts` at the last
+    accepted node gets the target's token there (the bonus token).
+    """
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    cand, index = candidates.tolist(), retrive_index.tolist()
+    next_token, next_sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    target = target_predict.reshape(-1).tolist()
+    out, accepted_idx, counts = predicts.tolist(), accept_index.tolist(), accept_token_num.tolist()
+    for b in range(bs):
+        last = index[b][0]
+        accepted_idx[b][0] = last
+        accepted, cur = 0, 0
+        for _ in range(1, steps):
+            cur = next_token[b][cur]
+            want = target[last]
+            match = None
+            for _ in range(n):
+                if cur == -1:
+                    break
+                if cand[b][cur] == want:
+                    match = cur
+                    break
+                cur = next_sibling[b][cur]
+            if match is None:
+                break
+            out[last] = want
+            accepted += 1
+            last = index[b][match]
+            accepted_idx[b][accepted] = last
+        counts[b] = accepted
+        out[last] = target[last]
+    predicts.copy_(torch.tensor(out, dtype=predicts.dtype))
+    accept_index.copy_(torch.tensor(accepted_idx, dtype=accept_index.dtype))
+    accept_token_num.copy_(torch.tensor(counts, dtype=accept_token_num.dtype))
+
+
 IMPLEMENTED: dict[str, Callable] = {
     f.__name__: f
     for f in (
         assign_req_to_token_pool_cpu,
+        assign_extend_cache_locs_cpu,
         copy_all_layer_kv_cache_cpu,
         fill_accept_out_cache_loc_cpu,
+        verify_tree_greedy_cpu,
     )
 }
 
