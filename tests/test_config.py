@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
-from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
+from vericache_sglang.config import (
+    VeriCacheConfig,
+    VeriCacheConfigError,
+    attach_config,
+    parse_size,
+)
+from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.drafter import check_draft_model
 
 
@@ -125,3 +132,44 @@ def test_a_draft_model_must_share_the_target_tokenizer(demo_models, tmp_path):
     path.write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         check_draft_model(str(tmp_path / "draft"), str(demo_models.target))
+
+
+def _server_args(**given) -> SimpleNamespace:
+    """The ServerArgs fields `algorithm.configure` reads, at SGLang's defaults unless given."""
+    return SimpleNamespace(**{
+        "speculative_algorithm": None, "speculative_num_draft_tokens": None,
+        "speculative_num_steps": None, "speculative_eagle_topk": None,
+        "enable_mixed_chunk": False, "kv_cache_dtype": "auto", "grammar_backend": "xgrammar",
+        "disable_overlap_schedule": False, "context_length": None, "decode_log_interval": 40,
+        "sampling_backend": None, "model_path": "unused", "tokenizer_path": None, **given})
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"speculative_num_draft_tokens": 8}, "--speculative-num-draft-tokens cannot be combined"),
+    ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk cannot be combined"),
+    ({"enable_mixed_chunk": True}, "--enable-mixed-chunk cannot be combined"),
+    ({"kv_cache_dtype": "fp8_e4m3"},
+     "--kv-cache-dtype fp8_e4m3 with --enable-vericache is not supported yet"),
+    ({"grammar_backend": "outlines"}, "--grammar-backend outlines cannot be combined"),
+    ({"context_length": 64}, "leaves no room in --context-length 64"),
+    ({"speculative_algorithm": "EAGLE"}, "--enable-vericache replaces speculative decoding"),
+])
+def test_sglang_settings_vericache_cannot_honour_are_refused(given, message):
+    """What SGLang's own flags ask for and VeriCache would have to override: one line, at
+    startup (test_cli.py shows such a line reaching the user from a real launch)."""
+    args = _server_args(**given)
+    attach_config(args, VeriCacheConfig.build({"enable_vericache": True}))
+    with pytest.raises(SystemExit, match=f"^vericache: error: .*{message}") as info:
+        algorithm.configure(args)
+    assert "\n" not in str(info.value)
+    assert args.speculative_algorithm == given.get("speculative_algorithm")  # nothing set
+
+
+def test_configure_sets_what_vericache_needs():
+    args = _server_args()
+    attach_config(args, VeriCacheConfig.build({"enable_vericache": True,
+                                               "vericache_max_draft_length": 32}))
+    algorithm.configure(args)
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens,
+            args.speculative_num_steps, args.disable_overlap_schedule) == (
+        algorithm.ALGORITHM, 33, 32, True)

@@ -133,12 +133,13 @@ def assert_logprobs_equal(out: dict, want: dict) -> None:
 
 
 def assert_batch_identical(server: ServerProcess, plain, prompt_ids: dict[str, list[int]],
-                           label: str) -> list[dict]:
+                           label: str, **params) -> list[dict]:
     """The prompts in flight together on `server` and on plain SGLang: batched drafting
     and verification over requests with different committed lengths, joining and leaving the
     batch (chats end at their own EOS). Same tokens, same finish reasons; drafting happened
-    and some drafts were rejected, so the rejection path ran too. Returns the responses."""
-    payloads = [payload(ids, name) for name, ids in prompt_ids.items()]
+    and some drafts were rejected, so the rejection path ran too. `params` override the
+    sampling parameters of `payload`. Returns the responses."""
+    payloads = [payload(ids, name, **params) for name, ids in prompt_ids.items()]
     expected = plain.all(payloads)
     got = send_all(server, payloads)
     report = []

@@ -42,17 +42,18 @@ def _weight_bytes(model_dir: Path) -> tuple[int, int]:
 
 
 def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, prompt_ids):
-    """The 4-layer truncation proposes up to 3 tokens; two requests at once, a stop string
-    and a streamed request: plain SGLang's tokens. Its proposals were checked and nearly all
-    rejected. The server reports the draft model's device bytes, measured from its tensors:
-    its layers, not the embedding it reads from the target."""
+    """The 4-layer truncation proposes up to 3 tokens; two requests at once (32 tokens each:
+    its proposals make every round slow), a stop string and a streamed request: plain
+    SGLang's tokens. Its proposals were checked and nearly all rejected. The server reports
+    the draft model's device bytes, measured from its tensors: its layers, not the embedding
+    it reads from the target."""
     names = ["heapq_400", "chat_fnmatch"]
     with ServerProcess(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model", str(demo_models.draft),
         "--vericache-drafter-max-length", "3",
     ]) as server:
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
-                                     "kivi:bits=4 + 4-layer truncation")
+                                     "kivi:bits=4 + 4-layer truncation", max_new_tokens=32)
         proposed = sum(levels(out)[1] for out in got)
         kept = sum(levels(out)[2] for out in got)
         print(f"  level 2: {kept}/{proposed} proposals kept")

@@ -45,7 +45,7 @@ def test_llguidance_grammars_draft_and_equal_plain(llguidance_plain, demo_model,
     each request drafted (so its grammar was advanced over drafts and rolled back), over
     proposals its masks checked (a forbidden proposal never reaches llguidance's matcher,
     which cannot recover from one)."""
-    batch = [payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=64, **constraint)
+    batch = [payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=40, **constraint)
              for constraint in CONSTRAINTS.values()]
     expected = send_all(llguidance_plain, batch)
     with ServerProcess(demo_model, [*LLGUIDANCE, "--enable-vericache",
