@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from vericache_sglang import models  # noqa: E402
+from vericache_sglang.config import VeriCacheConfig, attach_config  # noqa: E402
 from vericache_sglang.prompts import stdlib_source  # noqa: E402, F401 (tests import it here)
 from vericache_sglang.server_process import ServerProcess  # noqa: E402
 
@@ -43,6 +45,19 @@ FULL_KV_BYTES_PER_TOKEN = 46080
 HOST_BUDGET = str(32768 * FULL_KV_BYTES_PER_TOKEN)
 """The session's VeriCache server keeps the full KV of as many tokens in host memory as plain
 SGLang's pool holds (--max-total-tokens 32768), so two servers take the same memory on CPU."""
+
+
+def vericache_server_args(settings: dict | None = None, **given) -> SimpleNamespace:
+    """The ServerArgs fields `algorithm.configure` reads, at SGLang's defaults unless given,
+    with VeriCache enabled and `settings` attached, for testing startup without a launch."""
+    args = SimpleNamespace(**{
+        "speculative_algorithm": None, "speculative_num_draft_tokens": None,
+        "speculative_num_steps": None, "speculative_eagle_topk": None,
+        "enable_mixed_chunk": False, "kv_cache_dtype": "auto", "grammar_backend": "xgrammar",
+        "disable_overlap_schedule": False, "context_length": None, "decode_log_interval": 40,
+        "sampling_backend": None, "model_path": "unused", "tokenizer_path": None, **given})
+    attach_config(args, VeriCacheConfig.build({"enable_vericache": True, **(settings or {})}))
+    return args
 
 
 SESSION_SERVERS = {"plain_server", "vericache_server"}

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
-from vericache_sglang.config import (
-    VeriCacheConfig,
-    VeriCacheConfigError,
-    attach_config,
-    parse_size,
-)
+from tests.conftest import vericache_server_args
+from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
 from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.drafter import check_draft_model
 
@@ -134,16 +129,6 @@ def test_a_draft_model_must_share_the_target_tokenizer(demo_models, tmp_path):
         check_draft_model(str(tmp_path / "draft"), str(demo_models.target))
 
 
-def _server_args(**given) -> SimpleNamespace:
-    """The ServerArgs fields `algorithm.configure` reads, at SGLang's defaults unless given."""
-    return SimpleNamespace(**{
-        "speculative_algorithm": None, "speculative_num_draft_tokens": None,
-        "speculative_num_steps": None, "speculative_eagle_topk": None,
-        "enable_mixed_chunk": False, "kv_cache_dtype": "auto", "grammar_backend": "xgrammar",
-        "disable_overlap_schedule": False, "context_length": None, "decode_log_interval": 40,
-        "sampling_backend": None, "model_path": "unused", "tokenizer_path": None, **given})
-
-
 @pytest.mark.parametrize(("given", "message"), [
     ({"speculative_num_draft_tokens": 8}, "--speculative-num-draft-tokens cannot be combined"),
     ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk cannot be combined"),
@@ -157,8 +142,7 @@ def _server_args(**given) -> SimpleNamespace:
 def test_sglang_settings_vericache_cannot_honour_are_refused(given, message):
     """What SGLang's own flags ask for and VeriCache would have to override: one line, at
     startup (test_cli.py shows such a line reaching the user from a real launch)."""
-    args = _server_args(**given)
-    attach_config(args, VeriCacheConfig.build({"enable_vericache": True}))
+    args = vericache_server_args(**given)
     with pytest.raises(SystemExit, match=f"^vericache: error: .*{message}") as info:
         algorithm.configure(args)
     assert "\n" not in str(info.value)
@@ -166,9 +150,7 @@ def test_sglang_settings_vericache_cannot_honour_are_refused(given, message):
 
 
 def test_configure_sets_what_vericache_needs():
-    args = _server_args()
-    attach_config(args, VeriCacheConfig.build({"enable_vericache": True,
-                                               "vericache_max_draft_length": 32}))
+    args = vericache_server_args({"vericache_max_draft_length": 32})
     algorithm.configure(args)
     assert (args.speculative_algorithm, args.speculative_num_draft_tokens,
             args.speculative_num_steps, args.disable_overlap_schedule) == (

@@ -26,8 +26,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 CONTEXT = 1024
 # (prompt tokens, new tokens): each ends exactly at the context length, from inside the
-# reservation's reach of the row end (its last 62 positions), one of them from within the
-# last 14 (the reach of a longest draft of 16).
+# reservation's reach of the row end (its last 62 positions).
 REQUESTS = [(CONTEXT - 40, 40), (CONTEXT - 12, 12), (CONTEXT - 100, 100)]
 
 

@@ -23,7 +23,7 @@ from scipy import stats
 from sglang.srt.layers import sampler as sglang_sampler
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
-from vericache_sglang.config import VeriCacheConfig, attach_config
+from tests.conftest import vericache_server_args
 from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
@@ -480,12 +480,7 @@ def test_vericache_selects_the_sampling_backend_a_round_reproduces(monkeypatch, 
                                                                    given, chosen):
     monkeypatch.setattr(algorithm, "get_platform",
                         lambda: SimpleNamespace(has_flashinfer=flashinfer_here))
-    args = SimpleNamespace(
-        speculative_algorithm=None, speculative_num_draft_tokens=None,
-        speculative_num_steps=None, speculative_eagle_topk=None, enable_mixed_chunk=False,
-        kv_cache_dtype="auto", grammar_backend=None, disable_overlap_schedule=False,
-        context_length=None, decode_log_interval=40, sampling_backend=given)
-    attach_config(args, VeriCacheConfig.build({"enable_vericache": True}))
+    args = vericache_server_args(sampling_backend=given)
     algorithm.configure(args)
     assert args.sampling_backend == chosen
 
