@@ -1,0 +1,104 @@
+"""How far VeriCache's returned logprobs are from plain SGLang's, against plain SGLang's own drift.
+
+VeriCache takes an emitted token's logprobs from the verification forward over k + 1 tokens;
+plain SGLang from one-token decode steps. In float32 the two sum in other orders. This sends
+one mixed batch (logprobs, frequency and presence penalties, a repetition penalty, a custom
+logit processor, all returning logprobs, beside greedy, logit-bias and min_new_tokens
+requests) twice to plain SGLang (`--disable-overlap-schedule`, which VeriCache implies) and
+twice to VeriCache (4-bit KIVI, draft length from 16), and prints the largest absolute
+difference of the token, top and token-id logprobs per request: plain against itself (the
+second send finds its prefix cached) and VeriCache against plain. The identity tests'
+tolerance (`tests/speculative/identity.py`, LOGPROB_TOLERANCE) comes from this.
+
+    .venv/bin/python -m bench.logprob_drift
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+from transformers import AutoTokenizer
+
+from vericache_sglang import models
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
+          "--max-running-requests", "16", "--enable-custom-logit-processor",
+          "--disable-overlap-schedule"]
+VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4",
+             "--vericache-draft-length", "16"]
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3,
+            "token_ids_logprob": [13, 198, 284, 1134]}
+WITH_LOGPROBS = ("logprobs", "penalties", "repetition", "custom_processor")
+
+
+def _batch(tokenizer) -> dict[str, dict]:
+    def request(ids: list[int], extra: dict | None = None, **params) -> dict:
+        sampling = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True, **params}
+        return {"input_ids": ids, "sampling_params": sampling, **(extra or {})}
+
+    heapq, csv = stdlib_ids(tokenizer, "heapq", 400), stdlib_ids(tokenizer, "csv", 700, start=1000)
+    bisect = stdlib_ids(tokenizer, "bisect", 300, start=300)
+    return {
+        "greedy": request(heapq),
+        "logprobs": request(csv, LOGPROBS),
+        "penalties": request(bisect, LOGPROBS, frequency_penalty=0.4, presence_penalty=0.2),
+        "repetition": request(heapq, LOGPROBS, repetition_penalty=1.3),
+        "logit_bias": request(bisect, logit_bias={"13": 4.0, "284": -3.0}),
+        "min_new_tokens": request(csv, min_new_tokens=12),
+        "custom_processor": request(
+            bisect, {**LOGPROBS, "custom_logit_processor":
+                     DisallowedTokensLogitsProcessor.to_str()},
+            max_new_tokens=32, custom_params={"token_ids": [13, 284]}),
+    }
+
+
+def _twice(server: ServerProcess, batch: dict[str, dict]) -> list[dict[str, dict]]:
+    """The batch's answers, sent concurrently, twice."""
+    answers = []
+    for _ in range(2):
+        with ThreadPoolExecutor(len(batch)) as pool:
+            answers.append(dict(zip(batch, pool.map(server.generate, batch.values()),
+                                    strict=True)))
+    return answers
+
+
+def _drift(a: dict[str, dict], b: dict[str, dict]) -> dict[str, tuple]:
+    """Per logprob request: (same tokens, largest |difference| of token, top, token-id
+    logprobs)."""
+    rows = {}
+    for name in WITH_LOGPROBS:
+        ma, mb = a[name]["meta_info"], b[name]["meta_info"]
+
+        def largest(key: str, nested: bool, ma=ma, mb=mb) -> float:
+            pairs = (zip(sa, sb, strict=True) if nested else [(sa, sb)]
+                     for sa, sb in zip(ma[key], mb[key], strict=True))
+            return max(abs(x[0] - y[0]) for step in pairs for x, y in step)
+
+        rows[name] = (a[name]["output_ids"] == b[name]["output_ids"],
+                      largest("output_token_logprobs", False),
+                      largest("output_top_logprobs", True),
+                      largest("output_token_ids_logprobs", True))
+    return rows
+
+
+def main() -> None:
+    model = models.prepare().target
+    batch = _batch(AutoTokenizer.from_pretrained(model))
+    with ServerProcess(model, COMMON) as server:
+        plain = _twice(server, batch)
+    with ServerProcess(model, [*COMMON, *VERICACHE]) as server:
+        ours = _twice(server, batch)
+    print("| comparison | request | same tokens | token | top | token ids |")
+    print("|---|---|---|---|---|---|")
+    for label, a, b in [("plain, second send vs first", plain[1], plain[0]),
+                        ("VeriCache vs plain, first send", ours[0], plain[0]),
+                        ("VeriCache vs plain, second send", ours[1], plain[1])]:
+        for name, (same, token, top, ids) in _drift(a, b).items():
+            print(f"| {label} | {name} | {same} | {token:.2e} | {top:.2e} | {ids:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
