@@ -1,9 +1,12 @@
 """Two-level drafting against plain SGLang and single-level VeriCache, in one run.
 
-Workloads on long real contexts (Python standard library sources, about 2,500 tokens): code
-continuation (the source's next lines) and chat (a question about the source), at batch 1 and
-batch 4, greedy, float32. Each prompt is sent once with one new token first, so the measured
-request finds its prompt in the radix cache and its time is decode time.
+Workloads on long real contexts (Python standard library sources, up to 2,500 tokens, cut
+before a definition's first line): code continuation (the model writes the next definition)
+and chat (a question about the source), at batch 1 and batch 4, greedy, float32. Each prompt
+is sent once with one new token first, so the measured request finds its prompt in the radix
+cache and its time is decode time. Each workload's first answer is printed, and the table says
+how much of the answers repeats text already in them (`repeated_share`): the demo model's
+greedy code answers fall into loops, which a copying drafter predicts.
 
 Servers: plain SGLang; VeriCache with a 4-bit tier drafting one token per forward; the same
 with SGLang's n-gram corpus proposing under it (`--vericache-drafter ngram`); the same with the
@@ -21,6 +24,7 @@ request), and E at each level: tokens per verification (level 0), drafts per lev
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,11 +51,29 @@ SERVERS = {
     "SGLang NGRAM": ["--speculative-algorithm", "NGRAM", "--disable-overlap-schedule"],
 }
 MODULES = ["argparse", "difflib", "inspect", "typing"]
+DEFAULT_NEW_TOKENS = 128
+"""Greedy tokens per request unless `--max-new-tokens` says otherwise."""
+
+
+def _before_last_definition(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` up to the line that opens their last `def` or `class`, so the model writes the next
+    definition. A cut inside a line once ended the code prompt in a regex literal, and the demo
+    model answered with a loop any n-gram drafter predicts: that measured the loop, not code
+    continuation."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    for end in range(len(ids) - 1, 0, -1):
+        before = "".join(pieces[max(0, end - 4) : end])
+        after = "".join(pieces[end : end + 8])
+        # The tokenizer may join a newline with the indentation after it.
+        if re.search(r"\n[ \t]*$", before) and re.match(r"[ \t]*(def|class) ", after):
+            return ids[:end]
+    raise ValueError("the code prompt has no def or class line to stop before")
 
 
 def _workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
     def code(module: str) -> list[int]:
-        return stdlib_ids(tokenizer, module, prompt_tokens, start=200)
+        return _before_last_definition(
+            tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
 
     def chat(module: str) -> list[int]:
         source = tokenizer.decode(code(module))
@@ -70,6 +92,22 @@ def _workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list
         "code, batch 4": [request(code(m), True) for m in MODULES],
         "chat, batch 4": [request(chat(m), False) for m in MODULES],
     }
+
+
+def repeated_share(prompts: list[list[int]], answers: list[list[int]], n: int = 4) -> float:
+    """Share of answer tokens that end an n-token sequence already seen earlier in their
+    prompt or answer: what a copying drafter can predict. A small model's greedy answer often
+    turns into a loop, and this says how much of a workload's speed-up is the loop."""
+    repeated = total = 0
+    for prompt, answer in zip(prompts, answers, strict=True):
+        text = [*prompt, *answer]
+        seen = {tuple(text[i - n : i]) for i in range(n, len(prompt) + 1)}
+        for i in range(len(prompt) + 1, len(text) + 1):
+            gram = tuple(text[i - n : i])
+            repeated += gram in seen
+            seen.add(gram)
+        total += len(answer)
+    return repeated / max(total, 1)
 
 
 def _measure(server: ServerProcess, payloads: list[dict]) -> dict:
@@ -107,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.multilevel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2500)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
     parser.add_argument("--full-tier", default="host", choices=["host", "device"],
                         help="--vericache-full-tier of the VeriCache servers (default: host)")
     parser.add_argument("--workloads", nargs="+", metavar="NAME",
@@ -116,7 +154,8 @@ def main() -> None:
                         help="run only these servers besides plain SGLang (the reference; "
                         f"default: all of {', '.join(SERVERS)}, VeriCache + draft model)")
     parser.add_argument("--write-docs", type=Path, help="docs page with a multilevel section "
-                        "(multilevel-host or multilevel-device, after --full-tier)")
+                        "(multilevel-host or multilevel-device, after --full-tier; with "
+                        "another --max-new-tokens N, multilevel-device-N)")
     args = parser.parse_args()
 
     prepared = models.prepare()
@@ -153,9 +192,16 @@ def main() -> None:
             print(f"[bench] {name} / {w}: {row['tok_s']:.2f} tok/s", flush=True)
 
     plain = results["plain SGLang"]
+    repeats = {w: repeated_share([p["input_ids"] for p in payloads], plain[w]["outputs"])
+               for w, payloads in workloads.items()}
+    for workload in workloads:
+        answer = tokenizer.decode(plain[workload]["outputs"][0])
+        print(f"[bench] {workload}, plain SGLang's first answer: {answer!r}")
+    length = ("" if args.max_new_tokens == DEFAULT_NEW_TOKENS
+              else f" --max-new-tokens {args.max_new_tokens}")
     lines = [
-        f"\nMeasured by `python -m bench.multilevel --full-tier {args.full_tier}` "
-        f"({args.prompt_tokens}-token contexts, {args.max_new_tokens} greedy tokens per "
+        f"\nMeasured by `python -m bench.multilevel --full-tier {args.full_tier}{length}` "
+        f"(contexts of up to {args.prompt_tokens} tokens, {args.max_new_tokens} greedy tokens per "
         "request, float32, prompts cached first, one run on this 2-core CPU machine):\n",
         "| workload | server | decode tok/s | vs plain | target forwards per token "
         "| E level 0 | drafts per level-1 forward | level-2 kept | outputs = plain |",
@@ -176,11 +222,15 @@ def main() -> None:
                      "-" if row["E1"] is None else f"{row['E1']:.2f}",
                      row["kept"] or "-", f"{same} of {len(row['outputs'])}"]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Answer tokens that end a 4-token sequence already in their prompt or answer "
+              "(plain SGLang's answers; what a copying drafter can predict): " + ", ".join(
+                  f"{w} {share:.0%}" for w, share in repeats.items()) + "."]
     lines += [""] + [f"{name}: {row}" for name, row in results.items() if isinstance(row, str)]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.write_docs:
-        replace_section(args.write_docs, f"multilevel-{args.full_tier}", table)
+        suffix = "" if args.max_new_tokens == DEFAULT_NEW_TOKENS else f"-{args.max_new_tokens}"
+        replace_section(args.write_docs, f"multilevel-{args.full_tier}{suffix}", table)
 
 
 if __name__ == "__main__":
