@@ -4,6 +4,8 @@ LlamaForCausalLM that agrees with the demo model's greedy token on held-out stdl
 from __future__ import annotations
 
 import json
+import sysconfig
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -31,3 +33,26 @@ def test_built_draft_model_agrees_with_the_target(tmp_path, demo_models):
     assert ids == prompts.file_ids(AutoTokenizer.from_pretrained(str(demo_models.target)),
                                    "argparse.py", distill.EVAL_TOKENS)
     assert distill.agreement(draft, target, ids) >= MIN_AGREEMENT
+
+
+def test_training_text_is_third_party_files_of_the_chosen_types(tmp_path):
+    """Never the held-out stdlib files, this project's own code, packaging metadata or the
+    standard library reached through a link; only the file types asked for."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = {"pkg/a.py": "x = 1\n", "pkg/sub/b.md": "# b\n", "pkg/argparse.py": "y = 2\n",
+             "pkg/empty.py": "", "pkg/huge.py": "#" * (distill.MAX_FILE_BYTES + 1),
+             "vericache_sglang/c.py": "z = 3\n", "pkg-1.0.dist-info/d.py": "w = 4\n",
+             "other/e.rst": "e\n", "other/f.txt": "f\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "linked_json").symlink_to(stdlib / "json")
+
+    def names(*suffixes: str) -> set[str]:
+        found = distill.corpus_files(tmp_path, *suffixes)
+        return {str(p.relative_to(tmp_path)) for p in found}
+
+    assert names() == {"pkg/a.py", "pkg/sub/b.md", "other/e.rst"}
+    assert names((".py",)) == {"pkg/a.py"}
+    assert names((".txt",)) == {"other/f.txt"}
+    assert names((".json",)) == set()

@@ -45,7 +45,8 @@ EVAL_TOKENS = 1500
 # Third-party text only: these names would leak the held-out stdlib files into training.
 EXCLUDED_PACKAGES = {"vericache_sglang", "vericache_kernels", "__pycache__"}
 EXCLUDED_NAMES = set(EVAL_FILES)
-SUFFIXES = {".py", ".md", ".rst"}
+SUFFIXES = (".py", ".md", ".rst")
+"""File types the corpus reads by default (`--suffixes`): sources and their docs."""
 MAX_FILE_BYTES = 200_000
 
 
@@ -63,7 +64,7 @@ def default_work_dir() -> Path:
 # Data: third-party sources and docs, labelled once by the target.
 
 
-def corpus_files(root: Path, seed: int = 0) -> list[Path]:
+def corpus_files(root: Path, suffixes: tuple[str, ...] = SUFFIXES, seed: int = 0) -> list[Path]:
     """Text files of every installed package, interleaved package by package so that a token
     budget covers many projects rather than the first big one."""
     per_package: list[list[Path]] = []
@@ -74,21 +75,22 @@ def corpus_files(root: Path, seed: int = 0) -> list[Path]:
                 or entry.resolve().is_relative_to(stdlib)):
             continue
         files = [p for p in sorted(entry.rglob("*"))
-                 if p.suffix in SUFFIXES and p.name not in EXCLUDED_NAMES and p.is_file()
+                 if p.suffix in suffixes and p.name not in EXCLUDED_NAMES and p.is_file()
                  and 0 < p.stat().st_size <= MAX_FILE_BYTES]
         if files:
             random.Random(f"{seed}:{entry.name}").shuffle(files)
             per_package.append(files)
     order: list[Path] = []
-    for i in range(max(map(len, per_package))):
+    for i in range(max(map(len, per_package), default=0)):
         order.extend(files[i] for files in per_package if i < len(files))
     return order
 
 
-def corpus_tokens(tokenizer, num_tokens: int, seq_len: int, max_file_tokens: int) -> torch.Tensor:
+def corpus_tokens(tokenizer, num_tokens: int, seq_len: int, max_file_tokens: int,
+                  suffixes: tuple[str, ...] = SUFFIXES) -> torch.Tensor:
     """[N, seq_len] token ids: files' opening `max_file_tokens` tokens, EOS-separated, packed."""
     stream: list[int] = []
-    for path in corpus_files(site_packages()):
+    for path in corpus_files(site_packages(), suffixes):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -140,15 +142,17 @@ def load_target(target_dir: Path):
 
 
 def labelled_corpus(target_dir: Path, work: Path, copied_layers: int, num_tokens: int,
-                    seq_len: int, max_file_tokens: int) -> Labels:
+                    seq_len: int, max_file_tokens: int,
+                    suffixes: tuple[str, ...] = SUFFIXES) -> Labels:
     """Label the training corpus, or reuse the labels a previous run saved for the same data."""
     from transformers import AutoTokenizer
 
-    path = work / f"labels-{copied_layers}L-{num_tokens}-{seq_len}-{max_file_tokens}.pt"
+    kinds = "".join(sorted(suffixes))
+    path = work / f"labels-{copied_layers}L-{num_tokens}-{seq_len}-{max_file_tokens}{kinds}.pt"
     if path.is_file():
         return Labels(**torch.load(path))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    tokens = corpus_tokens(tokenizer, num_tokens, seq_len, max_file_tokens)
+    tokens = corpus_tokens(tokenizer, num_tokens, seq_len, max_file_tokens, suffixes)
     labels = label(load_target(target_dir), tokens, copied_layers)
     work.mkdir(parents=True, exist_ok=True)
     torch.save(asdict(labels), path.with_suffix(".tmp"))
@@ -180,6 +184,7 @@ class Recipe:
     lr: float = 0.0
     train_seconds: float = 0.0
     agreement: dict[str, float] | None = None
+    suffixes: tuple[str, ...] = SUFFIXES  # the file types the training text came from
 
 
 class Student(torch.nn.Module):
@@ -312,7 +317,7 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
     from transformers import AutoTokenizer
 
     labels = labelled_corpus(target_dir, work, recipe.copied_layers, num_tokens, seq_len,
-                             max_file_tokens)
+                             max_file_tokens, tuple(recipe.suffixes))
     target = load_target(target_dir)
     sets = held_out(target, AutoTokenizer.from_pretrained(str(target_dir)),
                     recipe.copied_layers)
@@ -448,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per training sequence (default: %(default)s)")
     t.add_argument("--max-file-tokens", type=int, default=1024,
                    help="tokens taken from the start of each file (default: %(default)s)")
+    t.add_argument("--suffixes", nargs="+", default=list(SUFFIXES),
+                   help="file types of the training text (default: %(default)s)")
     t.add_argument("--steps", type=int, default=400,
                    help="optimizer steps (default: %(default)s)")
     t.add_argument("--batch-rows", type=int, default=2,
@@ -477,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         init_layer = args.copied_layers if args.init_layer is None else args.init_layer
         recipe = Recipe(args.copied_layers, args.trained_layers, init_layer, steps=args.steps,
-                        lr=args.lr, soft_weight=args.soft_weight)
+                        lr=args.lr, soft_weight=args.soft_weight,
+                        suffixes=tuple(args.suffixes))
         recipe = train(target_dir, args.work_dir or default_work_dir(), recipe, args.tokens,
                        args.seq_len, args.max_file_tokens, args.batch_rows, args.eval_every,
                        args.resume, args.out)
