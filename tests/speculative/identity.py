@@ -90,6 +90,17 @@ def payload(ids: list[int], name: str = "", **params) -> dict:
     return {"input_ids": ids, "sampling_params": {**sampling, **params}}
 
 
+def json_schema_request(tokenizer) -> dict:
+    """A chat about heapq.heappush answered under a JSON schema: the grammar-constrained
+    request the drafter tests send beside their stopped and streamed ones."""
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "returns": {"type": "string"}},
+        "required": ["name", "returns"]})
+    ids = chat("Describe the function heapq.heappush as JSON with its name and return type.",
+               "heapq", 0, 400)(tokenizer)
+    return payload(ids, "chat", max_new_tokens=64, json_schema=schema)
+
+
 def send_all(server: ServerProcess, payloads: list[dict]) -> list[dict]:
     """Send the payloads concurrently (they share decode batches) and collect the answers."""
     with ThreadPoolExecutor(len(payloads)) as pool:

@@ -9,7 +9,6 @@ meta_info reports.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tests.speculative.identity import (
     LOGPROB_PARAMS,
     assert_batch_identical,
     assert_logprobs_equal,
-    chat,
+    json_schema_request,
     levels,
     payload,
     send_all,
@@ -76,14 +75,9 @@ def test_stops_streaming_and_grammar(ngram_server, plain, prompt_ids, tokenizer)
     """Stop strings inside a round, a streamed request and a JSON schema (its proposals
     checked under the schema's mask at each position) together: plain SGLang's tokens, and
     /metrics counts the levels meta_info reports."""
-    schema = json.dumps({"type": "object", "properties": {
-        "name": {"type": "string"}, "returns": {"type": "string"}},
-        "required": ["name", "returns"]})
-    ids = chat("Describe the function heapq.heappush as JSON with its name and return type.",
-               "heapq", 0, 400)(tokenizer)
     batch = [payload(prompt_ids["csv_700"], "code", max_new_tokens=96, stop=["\n\n"]),
              payload(prompt_ids["bisect_300"], "code", max_new_tokens=64, stop=["return"]),
-             payload(ids, "chat", max_new_tokens=64, json_schema=schema)]
+             json_schema_request(tokenizer)]
     before = vericache_metrics(ngram_server)
     got = send_all(ngram_server, batch)
     after = vericache_metrics(ngram_server)
