@@ -54,5 +54,12 @@ else
     log "dependencies up to date ($VENV)"
 fi
 
+# The CPU decode-attention kernel (vericache_kernels/csrc): compiled once per machine and
+# source, so that no server waits for the compiler; without a compiler the reference serves.
+kernel=$("$VENV/bin/python" -c "from vericache_kernels import attention_cpu as a
+print('built' if a.load() else 'not built: the torch reference serves (see the warning above)')" \
+    2> >(grep -v "No CUDA runtime is found" >&2 || true))
+log "CPU attention kernel: $kernel"
+
 model=$("$VENV/bin/python" -m vericache_sglang.models prepare | sed -n 1p)
 log "demo model ready: $model"

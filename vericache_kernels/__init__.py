@@ -1,4 +1,5 @@
-"""KV-compression kernels: Triton on CUDA tensors, the torch reference everywhere else.
+"""KV-compression kernels: Triton on CUDA tensors, the torch reference everywhere else (and,
+for decode attention on CPU tensors, a C++ kernel built on first use).
 
 Callers (the compressors) use only the functions here, so one code path serves GPU serving and
 CPU tests; the Triton modules are imported on first CUDA use, never on a CPU-only run.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import layout
+from .attention_cpu import decode_attention_cpu
 from .attention_ref import decode_attention_ref, merge_attention
 from .layout import PackedKV, PagedKV
 from .quant_ref import SUPPORTED_BITS, dequantize_unpack_ref, quantize_pack_ref
@@ -97,4 +99,8 @@ def decode_attention(
         from .attention_triton import decode_attention_triton
 
         return decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale)
+    if q.device.type == "cpu":
+        result = decode_attention_cpu(q, paged, k_res, v_res, res_lengths, sm_scale)
+        if result is not None:
+            return result
     return decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)

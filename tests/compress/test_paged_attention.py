@@ -2,8 +2,9 @@
 
 The case is a pool of pages, shuffled, with pages no request owns, read through a page table by
 requests of different lengths: more pages than one reference chunk, residual only, quantized
-only, no tokens at all. Unowned pages and padding hold NaN, so reading them would show. The
-Triton kernel is held to the same cases in test_triton_kernels.py.
+only, no tokens at all. Unowned pages and padding hold NaN, so reading them would show. Each
+test runs the torch reference and `vericache_kernels.decode_attention` (on CPU tensors, the C++
+kernel); the Triton kernel is held to the same cases in test_triton_kernels.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import vericache_kernels as kernels
 from vericache_kernels import PackedKV, PagedKV
+from vericache_kernels.attention_ref import decode_attention_ref
 
 from .helpers import attention
 
@@ -125,24 +127,26 @@ def assert_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
 
 
 BITS = [2, 4, 8]
+IMPLEMENTATIONS = pytest.mark.parametrize(
+    "attend", [decode_attention_ref, kernels.decode_attention], ids=["reference", "dispatch"])
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("bits", BITS)
-def test_paged_reference_equals_dense_attention(bits: int) -> None:
+def test_paged_decode_attention_equals_dense_attention(attend, bits: int) -> None:
     case = paged_case(bits)
-    got = kernels.decode_attention(case.q, case.paged, case.k_res, case.v_res, case.res_lengths,
-                                   SCALE)
+    got = attend(case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
     assert_close(got, expected(case.q, case.keys, case.values))
     assert torch.equal(got[0][3], torch.zeros(Q_HEADS, DIM)) and torch.all(got[1][3] == -math.inf)
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("bits", BITS)
-def test_merge_of_paged_part_and_exact_tail_equals_union(bits: int) -> None:
+def test_merge_of_paged_part_and_exact_tail_equals_union(attend, bits: int) -> None:
     case = paged_case(bits)
     none = torch.zeros(len(PAGES), dtype=torch.int32)
-    paged_part = kernels.decode_attention(case.q, case.paged, case.k_res, case.v_res, none, SCALE)
-    tail_part = kernels.decode_attention(case.q, None, case.k_res, case.v_res, case.res_lengths,
-                                         SCALE)
+    paged_part = attend(case.q, case.paged, case.k_res, case.v_res, none, SCALE)
+    tail_part = attend(case.q, None, case.k_res, case.v_res, case.res_lengths, SCALE)
     assert_close(kernels.merge_attention([paged_part, tail_part]),
                  expected(case.q, case.keys, case.values))
 
