@@ -13,7 +13,12 @@ setup.sh builds it, so that no server waits for the compiler.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
+import os
+import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -37,16 +42,37 @@ def _vector_flags() -> tuple[str, list[str]]:
     return "base", []
 
 
+def _build_directory(name: str) -> Path:
+    """Torch's extension folder ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(base) / "vericache" / name
+
+
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled kernel (built once per machine, then loaded from torch's extension
-    cache), or None with a warning when it cannot be built."""
-    from torch.utils import cpp_extension
+    """The compiled kernel, or None with a warning when it cannot be built.
 
+    A build is named by a digest of the source, flags, torch and Python versions. An existing
+    build is imported directly: torch's loader takes a lock file and runs ninja on every load,
+    and a server killed inside that window would leave every later one waiting on the lock."""
     variant, flags = _vector_flags()
+    cflags = ["-O3", *flags]
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *cflags, torch.__version__,
+                                        sys.version]).encode()).hexdigest()[:16]
+    name = f"vericache_decode_attention_cpu_{variant}_{digest}"
+    directory = _build_directory(name)
+    built = directory / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     try:
-        return cpp_extension.load(f"vericache_decode_attention_cpu_{variant}", [str(SOURCE)],
-                                  extra_cflags=["-O3", *flags], verbose=False)
+        if built.is_file():
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags,
+                                  build_directory=str(directory), verbose=False)
     except Exception as error:  # a missing compiler or headers: fall back, do not fail serving
         logger.warning("vericache: the CPU attention kernel could not be built (%s); using "
                        "the torch reference", str(error).splitlines()[0] if str(error) else error)
