@@ -11,7 +11,7 @@ import torch
 
 from . import layout
 from .attention_cpu import decode_attention_cpu
-from .attention_ref import decode_attention_ref, merge_attention
+from .attention_ref import decode_attention_ref, merge_attention, tail_attention_ref
 from .layout import PackedKV, PagedKV
 from .quant_ref import SUPPORTED_BITS, dequantize_unpack_ref, quantize_pack_ref
 
@@ -88,19 +88,26 @@ def decode_attention(
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
     sm_scale: float,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query per request over packed K/V plus fp residual: (out, lse), float32.
 
     q [B, Hq, D]; packed: `PagedKV`, `PackedKV` (read as its pages) or None; k_res/v_res
-    [B, R, H, D]; res_lengths [B].
+    [B, R, H, D]; res_lengths [B]. `tail`: (k, v [B, T, H, D], head_lengths [B, Hq]), tokens
+    after the residual of which query head j of request b sees the first head_lengths[b, j]
+    (a round's drafts, each draft row seeing those up to its own).
     """
     paged = packed.as_paged() if isinstance(packed, PackedKV) else packed
+    if q.device.type == "cpu":
+        result = decode_attention_cpu(q, paged, k_res, v_res, res_lengths, sm_scale, tail)
+        if result is not None:
+            return result
     if q.is_cuda:
         from .attention_triton import decode_attention_triton
 
-        return decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale)
-    if q.device.type == "cpu":
-        result = decode_attention_cpu(q, paged, k_res, v_res, res_lengths, sm_scale)
-        if result is not None:
-            return result
-    return decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)
+        result = decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale)
+    else:
+        result = decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)
+    if tail is None:
+        return result
+    return merge_attention([result, tail_attention_ref(q, *tail, sm_scale)])

@@ -86,8 +86,10 @@ def decode_attention_cpu(
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
     sm_scale: float,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`decode_attention_ref`'s result from the kernel, or None if it is not available."""
+    """`vericache_kernels.decode_attention`'s result from the kernel, in one call, or None if
+    the kernel is not available."""
     kernel = load()
     if kernel is None:
         return None
@@ -98,7 +100,11 @@ def decode_attention_cpu(
     ]
     bits, group, v_group = (0, 0, 0) if paged is None else (paged.bits, paged.group,
                                                            paged.v_group)
+    tail_parts = [] if tail is None else [tail[0].float().contiguous(),
+                                          tail[1].float().contiguous(),
+                                          tail[2].to(torch.int32).contiguous()]
     out, lse = kernel.decode_attention(
         q.float().contiguous(), pages, bits, group, v_group, k_res.float().contiguous(),
-        v_res.float().contiguous(), res_lengths.to(torch.int32).contiguous(), float(sm_scale))
+        v_res.float().contiguous(), res_lengths.to(torch.int32).contiguous(), float(sm_scale),
+        tail_parts)
     return out, lse

@@ -136,6 +136,27 @@ def decode_attention_ref(
     return state.result()
 
 
+def tail_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_lengths: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, D] over float K/V [B, T, H, D] where query head j of request b sees the first
+    head_lengths[b, j] tokens: (out [B, Hq, D], lse [B, Hq]), float32, 0 and -inf where a head
+    sees none. The round's drafts, a few tokens: plain dense attention."""
+    batch, q_heads, dim = q.shape
+    heads = k.shape[2]
+    qg = q.float().reshape(batch, heads, q_heads // heads, dim)
+    logits = torch.einsum("bhgd,bthd->bhgt", qg, k.float()).reshape(batch, q_heads, -1)
+    logits = logits * sm_scale
+    seen = torch.arange(k.shape[1], device=q.device) < head_lengths[..., None]
+    logits = logits.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)  # a head that sees nothing: 0
+    out = torch.einsum("bhgt,bthd->bhgd", probs.reshape(batch, heads, q_heads // heads, -1),
+                       v.float().masked_fill(~seen.any(1)[..., None, None], 0.0))
+    return out.reshape(batch, q_heads, dim), lse
+
+
 def merge_attention(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:

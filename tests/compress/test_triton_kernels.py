@@ -120,7 +120,7 @@ def test_paged_decode_attention_equals_reference(interpreted, bits):
 def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpreted,
                                                                         monkeypatch) -> None:
     """The drafting backend over the shared compressed pool (pages, exact window, draft tail)
-    gives the same attention whether its reads run in the Triton kernel or the reference (which
+    gives the same attention whether its reads run in the Triton kernel or the CPU kernel (which
     tests/tiers holds equal to each request's dequantized KIVI block)."""
     import vericache_kernels
     from tests.tiers.test_compressed_pool import Setup
@@ -133,12 +133,11 @@ def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpre
         setup.request(row, torch.randint(0, 49152, (n,), generator=gen).tolist())
     expected = setup.draft_step(setup.backend, [1, 2, 3], committed)
 
-    def triton_decode(q, packed, k_res, v_res, res_lengths, sm_scale):
-        paged = packed.as_paged() if isinstance(packed, vericache_kernels.PackedKV) else packed
-        return attention_triton.decode_attention_triton(q, paged, k_res, v_res, res_lengths,
-                                                        sm_scale)
-
-    monkeypatch.setattr(vericache_kernels, "decode_attention", triton_decode)
+    # the dispatch's non-CUDA path, with Triton in the reference's place: the pages and exact
+    # window in the kernel, the round's tail merged after it
+    monkeypatch.setattr(vericache_kernels, "decode_attention_cpu", lambda *args: None)
+    monkeypatch.setattr(vericache_kernels, "decode_attention_ref",
+                        attention_triton.decode_attention_triton)
     outs = setup.draft_step(setup.backend, [1, 2, 3], committed)
     for out, ref in zip(outs, expected, strict=True):
         assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()

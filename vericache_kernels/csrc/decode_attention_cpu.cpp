@@ -58,13 +58,18 @@ struct GroupState {
         v_tile(static_cast<size_t>(stride) * D_, 0.f) {}
 
   // Fold in `n` tokens whose logits are q . k_tile + bias (k_tile [D][stride], bias [G] or
-  // null) and whose values are v_tile [n][D], kTile tokens at a time.
-  void fold(const float* q, const float* bias, int n, float sm_scale) {
+  // null) and whose values are v_tile [n][D], kTile tokens at a time; with `head_n`, query head
+  // g takes only the first head_n[g] of them (a draft row sees the round's tokens up to its own).
+  void fold(const float* q, const float* bias, int n, float sm_scale,
+            const int32_t* head_n = nullptr) {
     for (int start = 0; start < n; start += kTile) {
-      const int count = std::min(kTile, n - start);
-      for (int g = 0; g < G; ++g) fold_tile(g, q + static_cast<size_t>(g) * D,
-                                            bias == nullptr ? 0.f : bias[g], start, count,
-                                            sm_scale);
+      for (int g = 0; g < G; ++g) {
+        const int count = std::min(kTile, (head_n == nullptr ? n : head_n[g]) - start);
+        if (count > 0) {
+          fold_tile(g, q + static_cast<size_t>(g) * D, bias == nullptr ? 0.f : bias[g], start,
+                    count, sm_scale);
+        }
+      }
     }
   }
 
@@ -184,28 +189,42 @@ void fold_pages(GroupState& st, const Pages& pg, const float* q, int b, int h, i
   }
 }
 
-void fold_residual(GroupState& st, const float* k_res, const float* v_res, int length, int R,
-                   int H, int b, int h, const float* q, float sm_scale) {
+// Fold in float32 tokens [B, R, H, D] of request b: the first `length` of them, or per query
+// head g the first head_lengths[g].
+void fold_exact(GroupState& st, const float* k, const float* v, int length, int R, int H, int b,
+                int h, const float* q, float sm_scale, const int32_t* head_lengths = nullptr) {
   const int D = st.D;
+  if (head_lengths != nullptr) {
+    length = *std::max_element(head_lengths, head_lengths + st.G);
+  }
   for (int start = 0; start < length; start += kTile) {
     const int n = std::min(kTile, length - start);
     for (int t = 0; t < n; ++t) {
       const int64_t row = ((static_cast<int64_t>(b) * R + start + t) * H + h) * D;
       for (int d = 0; d < D; ++d) {
-        st.k_tile[static_cast<size_t>(d) * st.stride + t] = k_res[row + d];
-        st.v_tile[static_cast<size_t>(t) * D + d] = v_res[row + d];
+        st.k_tile[static_cast<size_t>(d) * st.stride + t] = k[row + d];
+        st.v_tile[static_cast<size_t>(t) * D + d] = v[row + d];
       }
     }
-    st.fold(q, nullptr, n, sm_scale);
+    if (head_lengths == nullptr) {
+      st.fold(q, nullptr, n, sm_scale);
+    } else {
+      int32_t counts[512];
+      for (int g = 0; g < st.G; ++g) counts[g] = head_lengths[g] - start;
+      st.fold(q, nullptr, n, sm_scale, counts);
+    }
   }
 }
 
 // q [B, Hq, D], k_res / v_res [B, R, H, D] float32; pages: k_codes, k_scale, k_zero, v_codes,
-// v_scale, v_zero, page_table, lengths (or an empty list). Returns (out [B, Hq, D], lse [B, Hq]).
+// v_scale, v_zero, page_table, lengths (or an empty list); tail: tail_k, tail_v [B, T, H, D]
+// float32 and tail_lengths [B, Hq] int32, tokens after the residual seen per query head (or an
+// empty list). Returns (out [B, Hq, D], lse [B, Hq]).
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<at::Tensor>& pages,
                                          int64_t bits, int64_t group, int64_t v_group,
                                          const at::Tensor& k_res, const at::Tensor& v_res,
-                                         const at::Tensor& res_lengths, double sm_scale) {
+                                         const at::Tensor& res_lengths, double sm_scale,
+                                         const std::vector<at::Tensor>& tail) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [B, Hq, D] tensor");
   TORCH_CHECK(k_res.scalar_type() == at::kFloat && v_res.scalar_type() == at::kFloat &&
@@ -215,6 +234,7 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int R = k_res.size(1), H = k_res.size(2);
   TORCH_CHECK(Hq % H == 0 && k_res.size(3) == D, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(Hq / H <= 512, "at most 512 query heads per KV head");
   Pages pg;
   if (!pages.empty()) {
     TORCH_CHECK(pages.size() == 8, "pages: expected 8 tensors");
@@ -231,6 +251,24 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<
     pg.max_pages = pages[6].size(1);
     pg.group = static_cast<int>(group);
     pg.v_group = static_cast<int>(v_group);
+  }
+  const float *tkp = nullptr, *tvp = nullptr;
+  const int32_t* tail_len = nullptr;
+  int T = 0;
+  if (!tail.empty()) {
+    TORCH_CHECK(tail.size() == 3, "tail: expected tail_k, tail_v, tail_lengths");
+    TORCH_CHECK(tail[0].scalar_type() == at::kFloat && tail[1].scalar_type() == at::kFloat &&
+                    tail[0].is_contiguous() && tail[1].is_contiguous() &&
+                    tail[0].dim() == 4 && tail[0].size(0) == B && tail[0].size(2) == H &&
+                    tail[0].size(3) == D,
+                "tail_k and tail_v must be contiguous float32 [B, T, H, D] tensors");
+    TORCH_CHECK(tail[2].scalar_type() == at::kInt && tail[2].is_contiguous() &&
+                    tail[2].size(0) == B && tail[2].size(1) == Hq,
+                "tail_lengths must be a contiguous int32 [B, Hq] tensor");
+    tkp = tail[0].data_ptr<float>();
+    tvp = tail[1].data_ptr<float>();
+    tail_len = tail[2].data_ptr<int32_t>();
+    T = tail[0].size(1);
   }
   auto out = at::empty({B, Hq, D}, q.options());
   auto lse = at::empty({B, Hq}, q.options());
@@ -256,7 +294,8 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<
           default: fold_pages<8>(st, pg, qg, b, h, H, scale); break;
         }
       }
-      fold_residual(st, krp, vrp, res_len[b], R, H, b, h, qg, scale);
+      fold_exact(st, krp, vrp, res_len[b], R, H, b, h, qg, scale);
+      if (tkp != nullptr) fold_exact(st, tkp, tvp, 0, T, H, b, h, qg, scale, tail_len + head0);
       st.write(outp + head0 * D, lsep + head0);
     }
   });
@@ -267,5 +306,5 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "Decode attention over paged packed K/V plus a float32 residual (CPU)");
+        "Decode attention over paged packed K/V, a float32 residual and a per-head tail (CPU)");
 }

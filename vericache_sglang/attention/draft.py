@@ -108,6 +108,8 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self._row_groups: _RowGroups | None = None
         self._row_steps: torch.Tensor | None = None
         self._last_step = 0
+        # Per query head of the pool attention's rows: how many of the round's tokens it sees.
+        self._tail_heads: torch.Tensor | None = None
         self._tail_k: dict[int, torch.Tensor] = {}
         self._tail_v: dict[int, torch.Tensor] = {}
         # Pool reads of the round: page table [B, max pages], paged tokens [B], and the full-pool
@@ -146,7 +148,7 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         if not all(0 <= step < self._max_steps for step in steps):
             raise ValueError(f"draft steps {steps} outside [0, {self._max_steps})")
         self._row_requests = requests
-        self._row_groups = None
+        self._row_groups = self._tail_heads = None
         self._row_steps = torch.tensor(steps, dtype=torch.int64,
                                        device=self.req_to_token_pool.req_to_token.device)
         self._last_step = max(steps)
@@ -156,13 +158,13 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self._tail_k.clear()
         self._tail_v.clear()
         self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
-        self._row_requests = self._row_steps = self._row_groups = None
+        self._row_requests = self._row_steps = self._row_groups = self._tail_heads = None
         self._window = []
 
     def round_buffer_bytes(self) -> int:
         """Bytes of the buffers that live for the current round (storages, measured)."""
         return storage_bytes([*self._tail_k.values(), *self._tail_v.values(), self._page_table,
-                              self._row_requests, self._row_steps,
+                              self._row_requests, self._row_steps, self._tail_heads,
                               self._paged_lens, self._exact_rows, self._exact_lens,
                               *(t for pair in self._window for t in pair)])
 
@@ -200,9 +202,8 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         """A per-request tensor's rows for the forward's rows."""
         return per_request if self._row_requests is None else per_request[self._row_requests]
 
-    def _tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the rows' K/V [rows, H, D] in the layer's scratch tail at their steps and
-        return each row's tail [rows, steps so far, H, D]."""
+    def _write_tail(self, layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Record the rows' K/V [rows, H, D] in the layer's scratch tail at their steps."""
         lid = layer.layer_id
         if lid not in self._tail_k:
             shape = (len(self._committed), self._max_steps, *k.shape[1:])
@@ -212,9 +213,6 @@ class DraftAttnBackend(CompressedTierAttnBackend):
                     if self._row_requests is None else self._row_requests)
         self._tail_k[lid][requests, self._row_steps] = k
         self._tail_v[lid][requests, self._row_steps] = v
-        hi = self._last_step + 1
-        return (self._rows_of(self._tail_k[lid][:, :hi]),
-                self._rows_of(self._tail_v[lid][:, :hi]))
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         del save_kv_cache  # drafting never writes the full KV pool
@@ -222,38 +220,57 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         q = q.reshape(-1, layer.tp_q_head_num, head_dim)
         if q.shape[0] != len(self._row_steps):
             raise RuntimeError("draft forward batch does not match set_step()/set_rows()")
-        tail_k, tail_v = self._tail(
-            layer, k.reshape(-1, heads, head_dim), v.reshape(-1, heads, layer.v_head_dim)
-        )
-        steps = (self._row_steps + 1).to(torch.int32)
-        tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling)
+        self._write_tail(layer, k.reshape(-1, heads, head_dim),
+                         v.reshape(-1, heads, layer.v_head_dim))
         if self.pool is not None:
-            prefix = self._pool_attention(q, layer)
+            out = self._pool_attention(q, layer)
         else:
+            hi = self._last_step + 1
+            tail_k, tail_v = (self._rows_of(tail[layer.layer_id][:, :hi])
+                              for tail in (self._tail_k, self._tail_v))
+            steps = (self._row_steps + 1).to(torch.int32)
+            tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling)
             prefix = self._tier_attention(q, layer, forward_batch.req_pool_indices.tolist())
-        out, _ = kernels.merge_attention([prefix, tail])
+            out, _ = kernels.merge_attention([prefix, tail])
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _pool_attention(self, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over the pages of each request's old groups plus its exact part (read once
-        per request, however many rows it has)."""
+    def _tail_head_lengths(self, q_heads: int, kv_heads: int) -> torch.Tensor:
+        """[requests, query heads] of the pool attention's query: the round's tokens each head
+        sees (its row's step + 1; 0 for a stacked request's padding). Once per forward."""
+        if self._tail_heads is None:
+            seen = (self._row_steps + 1).to(torch.int32)[:, None, None].expand(-1, q_heads, 1)
+            if self._row_groups is not None:
+                seen = self._row_groups.stack(seen, kv_heads)
+            self._tail_heads = seen[..., 0].contiguous()
+        return self._tail_heads
+
+    def _pool_attention(self, q: torch.Tensor, layer) -> torch.Tensor:
+        """Attention over the pages of each request's old groups, its exact part (read once per
+        request, however many rows it has) and the round's tokens up to each row's own, in one
+        kernel call."""
         lid, groups = layer.layer_id, self._row_groups
+        every = groups is None or len(groups.requests) == len(self._committed)
 
         def pick(per_request: torch.Tensor) -> torch.Tensor:
-            return per_request if groups is None else per_request[groups.requests]
+            return per_request if every else per_request[groups.requests]
 
         if self._window:
             k_exact, v_exact = map(pick, self._window[lid])
         else:
             rows = pick(self._exact_rows)
-            k_exact = self.token_to_kv_pool.get_key_buffer(lid)[rows]
-            v_exact = self.token_to_kv_pool.get_value_buffer(lid)[rows]
+            # index_select copies whole rows; advanced indexing goes element by element
+            k_exact, v_exact = (
+                buffer.index_select(0, rows.flatten()).view(*rows.shape, *buffer.shape[1:])
+                for buffer in (self.token_to_kv_pool.get_key_buffer(lid),
+                               self.token_to_kv_pool.get_value_buffer(lid)))
         paged = self.pool.layer(lid, pick(self._page_table), pick(self._paged_lens))
         kv_heads = layer.tp_k_head_num
         query = q if groups is None else groups.stack(q, kv_heads)
+        tail = (pick(self._tail_k[lid]), pick(self._tail_v[lid]),
+                self._tail_head_lengths(q.shape[1], kv_heads))
         out, lse = kernels.decode_attention(query, paged, k_exact, v_exact,
-                                            pick(self._exact_lens), layer.scaling)
-        return (out, lse) if groups is None else groups.unstack(out, lse, kv_heads)
+                                            pick(self._exact_lens), layer.scaling, tail)
+        return out if groups is None else groups.unstack(out, lse, kv_heads)[0]
 
     def _tier_attention(self, q: torch.Tensor, layer,
                         slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
