@@ -197,6 +197,7 @@ void fold_exact(GroupState& st, const float* k, const float* v, int length, int 
   if (head_lengths != nullptr) {
     length = *std::max_element(head_lengths, head_lengths + st.G);
   }
+  std::vector<int32_t> counts(head_lengths == nullptr ? 0 : st.G);
   for (int start = 0; start < length; start += kTile) {
     const int n = std::min(kTile, length - start);
     for (int t = 0; t < n; ++t) {
@@ -209,9 +210,8 @@ void fold_exact(GroupState& st, const float* k, const float* v, int length, int 
     if (head_lengths == nullptr) {
       st.fold(q, nullptr, n, sm_scale);
     } else {
-      int32_t counts[512];
       for (int g = 0; g < st.G; ++g) counts[g] = head_lengths[g] - start;
-      st.fold(q, nullptr, n, sm_scale, counts);
+      st.fold(q, nullptr, n, sm_scale, counts.data());
     }
   }
 }
@@ -234,7 +234,6 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const std::vector<
   const int B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int R = k_res.size(1), H = k_res.size(2);
   TORCH_CHECK(Hq % H == 0 && k_res.size(3) == D, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(Hq / H <= 512, "at most 512 query heads per KV head");
   Pages pg;
   if (!pages.empty()) {
     TORCH_CHECK(pages.size() == 8, "pages: expected 8 tensors");

@@ -11,7 +11,9 @@ committed prefix is read in its compressed form, never densely kept:
 
 The tokens drafted in this round are attended exactly from a scratch tail this backend holds
 for the round (the only buffer that lives across steps: bounded by batch x draft length, and
-counted in `round_buffer_bytes`). The parts are combined by their log-sum-exp
+counted in `round_buffer_bytes`). Over the pool, one `vericache_kernels.decode_attention` call
+reads all three parts (pages, exact window, tail up to each row's own step); over a request's
+own block, the block and the tail are attended apart and combined by their log-sum-exp
 (`vericache_kernels.merge_attention`). Nothing is written to the KV pool while drafting, so a
 rejected draft leaves no trace.
 """
