@@ -21,7 +21,7 @@ from vericache_kernels.attention_ref import (
     tail_attention_ref,
 )
 
-from .test_paged_attention import packed_batch
+from .test_paged_attention import packed_batch, ragged_inputs
 
 
 def test_the_kernel_is_built_and_serves_cpu_tensors(monkeypatch) -> None:
@@ -39,16 +39,9 @@ def test_the_kernel_is_built_and_serves_cpu_tensors(monkeypatch) -> None:
                           (4, 3, 12, 64, 32), (4, 2, 5, 96, 64), (2, 1, 2, 40, 48)])
 @pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_equals_reference(bits, heads, group_size, dim, group, res_dtype) -> None:
-    gen = torch.Generator().manual_seed(bits * 7 + dim + group)
-    batch, groups, res = 3, 3, 45  # residuals longer than one 32-token tile
-    keys = torch.randn(batch, groups * group, heads, dim, generator=gen) * 2
-    values = torch.randn(batch, groups * group, heads, dim, generator=gen) * 2
-    # ragged requests: full, one group, nothing quantized
-    packed = packed_batch(keys, values, [groups * group, group, 0], bits, group,
-                          math.gcd(group, dim)).as_paged()
-    k_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
-    v_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
-    q = torch.randn(batch, heads * group_size, dim, generator=gen)
+    res = 45  # residuals longer than one 32-token tile
+    q, packed, k_res, v_res = ragged_inputs(bits, heads, group_size, dim, group, res_dtype, res,
+                                            seed=bits * 7 + dim + group, spread=2.0)
     for quant_part, res_lengths in ((packed, [res, 33, 0]), (None, [0, res, 3])):
         lengths = torch.tensor(res_lengths, dtype=torch.int32)
         got = attention_cpu.decode_attention_cpu(q, quant_part, k_res, v_res, lengths, 0.3)

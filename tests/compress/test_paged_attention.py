@@ -182,3 +182,20 @@ def test_packed_reads_as_its_pages(bits: int) -> None:
     dense = [_dequantize([t[b, : n // GROUP] for t in key_parts],
                          [t[b, :n] for t in value_parts], bits) for b, n in enumerate(lengths)]
     assert_close(got, expected(q, *([kv[i] for kv in dense] for i in range(2))))
+
+
+def ragged_inputs(bits: int, heads: int, group_size: int, dim: int, group: int,
+                  res_dtype: torch.dtype, res: int, seed: int, spread: float = 1.0
+                  ) -> tuple[torch.Tensor, PagedKV, torch.Tensor, torch.Tensor]:
+    """(q, paged, k_res, v_res) for 3 requests: three key groups quantized, one, none (as
+    pages), each with `res` residual tokens in `res_dtype`; K/V drawn with std `spread`."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, groups = 3, 3
+    keys = torch.randn(batch, groups * group, heads, dim, generator=gen) * spread
+    values = torch.randn(batch, groups * group, heads, dim, generator=gen) * spread
+    packed = packed_batch(keys, values, [groups * group, group, 0], bits, group,
+                          math.gcd(group, dim)).as_paged()
+    k_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
+    v_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
+    q = torch.randn(batch, heads * group_size, dim, generator=gen)
+    return q, packed, k_res, v_res

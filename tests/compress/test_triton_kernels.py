@@ -8,7 +8,6 @@ run and check that the kernels really are interpreter functions.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -23,7 +22,12 @@ pytest.importorskip("triton")
 from vericache_kernels.attention_ref import decode_attention_ref  # noqa: E402
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
 
-from .test_paged_attention import SCALE, assert_close, packed_batch, paged_case  # noqa: E402
+from .test_paged_attention import (  # noqa: E402
+    SCALE,
+    assert_close,
+    paged_case,
+    ragged_inputs,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
@@ -85,16 +89,9 @@ def test_quantize_and_dequantize_equal_reference(interpreted, bits, dtype, rows,
 def test_decode_attention_equals_reference(interpreted, bits, heads, group_size, dim, group,
                                            res_dtype):
     _, attn = interpreted
-    gen = torch.Generator().manual_seed(bits * 7 + dim)
-    batch, groups, res = 3, 3, 5
-    keys = torch.randn(batch, groups * group, heads, dim, generator=gen)
-    values = torch.randn(batch, groups * group, heads, dim, generator=gen)
-    # ragged requests: full, one group, nothing quantized
-    packed = packed_batch(keys, values, [groups * group, group, 0], bits, group,
-                          math.gcd(group, dim)).as_paged()
-    k_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
-    v_res = torch.randn(batch, res, heads, dim, generator=gen).to(res_dtype)
-    q = torch.randn(batch, heads * group_size, dim, generator=gen)
+    res = 5
+    q, packed, k_res, v_res = ragged_inputs(bits, heads, group_size, dim, group, res_dtype, res,
+                                            seed=bits * 7 + dim)
     for quant_part, res_lengths in ((packed, [res, 2, 0]), (None, [0, res, 3])):
         lengths = torch.tensor(res_lengths)
         got = attn.decode_attention_triton(q, quant_part, k_res, v_res, lengths, 0.3)
