@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.cpu.few_rows import few_row_linear
 
 PAD_TOKEN = 0
 """What `NgramCorpus` fills a draft with where it has no match."""
@@ -200,8 +201,9 @@ class ModelDrafter(Drafter):
     def _feed(self, seq: _DraftSequence, tokens: list[int]) -> torch.Tensor:
         """Run `tokens` after the cached ones; their K/V join the cache."""
         ids = torch.tensor([tokens], device=self.model.device)
-        out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
-                         logits_to_keep=1)
+        with few_row_linear(self.model.device):  # proposals are checked by level 1
+            out = self.model(input_ids=ids, past_key_values=seq.cache, use_cache=True,
+                             logits_to_keep=1)
         seq.tokens.extend(tokens)
         seq.next_logits = out.logits[0, -1]
         return seq.next_logits

@@ -61,6 +61,7 @@ from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.config import get_config
+from vericache_sglang.cpu.few_rows import few_row_linear
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.eligibility import drafting_rows
@@ -542,13 +543,16 @@ class VeriCacheWorker(BaseSpecWorker):
             spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
             capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
         )
-        if len(requests) <= len(batch.reqs):
-            return self._forward(self.draft_backend, fb).next_token_logits
-        # More rows than the scheduler's batch: SGLang's eager runner would copy them into
-        # input buffers sized for its largest decode batch; run them from their own tensors,
-        # SGLang's no-copy eager mode.
-        with envs.SGLANG_EAGER_INPUT_NO_COPY.override(True):
-            return self._forward(self.draft_backend, fb).next_token_logits
+        # Drafts are checked again over the full KV, so their forward may take the faster
+        # few-row GEMM form (cpu/few_rows.py); verification keeps SGLang's.
+        with few_row_linear(device):
+            if len(requests) <= len(batch.reqs):
+                return self._forward(self.draft_backend, fb).next_token_logits
+            # More rows than the scheduler's batch: SGLang's eager runner would copy them into
+            # input buffers sized for its largest decode batch; run them from their own
+            # tensors, SGLang's no-copy eager mode.
+            with envs.SGLANG_EAGER_INPUT_NO_COPY.override(True):
+                return self._forward(self.draft_backend, fb).next_token_logits
 
     def _draft_stacked(self, batch, round_: _Round) -> None:
         """Level 2 proposes, level 1 checks: each forward over the compressed tier runs a
