@@ -127,3 +127,20 @@ def test_sampled_requests_stack_beside_greedy_ones(ngram_server, plain, prompt_i
         rounds, _, accepted = stats(out)
         assert len(out["output_ids"]) == 48 == 1 + accepted + rounds
     assert sum(levels(out)[1] for out in got[2:]) > 0
+
+
+def test_flush_cache_resets_the_corpus(ngram_server, plain, prompt_ids):
+    """The corpus learns every answer, so the same request sent again drafts from its own
+    earlier answer and level 1 keeps more proposals. /flush_cache forgets it, as SGLang's NGRAM
+    worker resets its corpus: after a flush the request drafts exactly as it did on the flushed
+    server the first time. Every answer is plain SGLang's."""
+    request = payload(prompt_ids["chat_fnmatch"], "chat", max_new_tokens=48)
+    ngram_server.flush_cache()
+    first = ngram_server.generate(request)
+    again = ngram_server.generate(request)
+    ngram_server.flush_cache()
+    flushed = ngram_server.generate(request)
+    want = plain(request)["output_ids"]
+    assert first["output_ids"] == again["output_ids"] == flushed["output_ids"] == want
+    assert levels(again)[2] > levels(first)[2]  # its own answer was in the corpus
+    assert levels(flushed) == levels(first)

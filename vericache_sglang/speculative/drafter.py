@@ -48,6 +48,11 @@ class Drafter(abc.ABC):
     def forget(self, rid: str) -> None:
         """Drop a finished request's state."""
 
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget everything seen (/flush_cache, as SGLang's NGRAM worker resets its corpus):
+        after a flush the server drafts as a fresh one would."""
+
     def device_bytes(self) -> int:
         """Device bytes the drafter holds beyond the target's (weights, its own KV)."""
         return 0
@@ -110,6 +115,10 @@ class NgramDrafter(Drafter):
     def forget(self, rid: str) -> None:
         self._inserted.pop(rid, None)
         self.corpus.erase_match_state([rid])
+
+    def reset(self) -> None:
+        self.corpus.reset()
+        self._inserted.clear()
 
 
 @dataclass
@@ -210,6 +219,9 @@ class ModelDrafter(Drafter):
 
     def forget(self, rid: str) -> None:
         self._seqs.pop(rid, None)
+
+    def reset(self) -> None:
+        self._seqs.clear()
 
     def device_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]

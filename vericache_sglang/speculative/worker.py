@@ -321,6 +321,8 @@ class VeriCacheWorker(BaseSpecWorker):
             self.tier = CompressedTier(self.compressor)
             self.draft_backend.tier = self.tier
         self._owners.clear()
+        if self.drafter is not None:
+            self.drafter.reset()
         self._publish_sizes()
 
     def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
