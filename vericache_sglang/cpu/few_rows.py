@@ -29,7 +29,8 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """x @ weight^T as weight @ x^T for float32 CPU inputs of 1..MAX_ROWS rows (an odd count
     padded by repeating the last row: MKL's two-column kernels are the fast ones); None where
     the input is not of that shape, so the caller runs the ordinary product."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor)
+            or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
             or weight.dim() != 2 or not weight.is_contiguous() or x.dim() == 0
             or x.shape[-1] != weight.shape[1]
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
