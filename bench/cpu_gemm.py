@@ -3,8 +3,10 @@ form) and as W @ X^T (vericache_sglang/cpu/few_rows.py), in one run.
 
 For each row count, the products one forward of the float32 demo model runs (its real weights:
 fused QKV, output, fused gate/up, down projections of every layer, then the LM head) are timed
-in both forms; the best of `--repeats` passes is kept. Drafting forwards have 1-5 rows per
-request, so this is the shape the worker's few-row form is for.
+as `F.linear` calls, once plain (X @ W^T) and once inside the worker's `few_row_linear` scope,
+whose torch function mode runs on every call (its overhead counts); the best of `--repeats`
+passes is kept. Drafting forwards have 1-5 rows per request, so this is the shape the
+worker's few-row form is for.
 
     .venv/bin/python -m bench.cpu_gemm [--rows 1 2 3 4 5 6 9] [--write-docs docs/cpu.md]
 """
@@ -12,6 +14,7 @@ request, so this is the shape the worker's few-row form is for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from bench.docs_section import replace_section
 from vericache_sglang import models
-from vericache_sglang.cpu.few_rows import few_row_product
+from vericache_sglang.cpu.few_rows import few_row_linear
 
 SECTION = "cpu-gemm"
 
@@ -43,21 +46,17 @@ def forward_weights() -> list[torch.Tensor]:
     return [w.detach().contiguous() for w in weights]
 
 
-def few_row_or_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """What a linear layer computes inside the worker's few-row scope."""
-    out = few_row_product(x, weight)
-    return F.linear(x, weight) if out is None else out
-
-
-def time_forward(weights: list[torch.Tensor], rows: int, product: Callable, repeats: int) -> float:
-    """Best seconds over `repeats` passes of every weight's product with `rows` input rows."""
+def time_forward(weights: list[torch.Tensor], rows: int, scope: Callable, repeats: int) -> float:
+    """Best seconds over `repeats` passes of every weight's `F.linear` with `rows` input rows,
+    each pass inside `scope()` (the worker's `few_row_linear`, or nothing)."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
-        began = time.perf_counter()
-        for w in weights:
-            product(inputs[w.shape[1]], w)
-        best = min(best, time.perf_counter() - began)
+        with scope():
+            began = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - began)
     return best
 
 
@@ -76,8 +75,8 @@ def main() -> None:
         lines = ["| rows | X @ W^T (ms) | W @ X^T, few-row form (ms) | few-row / X @ W^T |",
                  "|---|---|---|---|"]
         for rows in args.rows:
-            plain = time_forward(weights, rows, F.linear, args.repeats)
-            few = time_forward(weights, rows, few_row_or_linear, args.repeats)
+            plain = time_forward(weights, rows, contextlib.nullcontext, args.repeats)
+            few = time_forward(weights, rows, lambda: few_row_linear("cpu"), args.repeats)
             lines.append(f"| {rows} | {plain * 1e3:.1f} | {few * 1e3:.1f} | {few / plain:.2f} |")
             print(lines[-1], flush=True)
     mb = sum(w.numel() * w.element_size() for w in weights) / 2**20

@@ -180,6 +180,8 @@ def main() -> None:
                         "(multilevel-host or multilevel-device, after --full-tier; with "
                         "another --max-new-tokens N, multilevel-device-N)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     prepared = models.prepare()
     model = prepared.target

@@ -3,9 +3,9 @@
 Why: drafting runs the target model over 1-5 rows per request (one row per step at level 1,
 a step plus a few proposals with a level-2 drafter). Float32 MKL GEMM on this project's CPUs
 (AMD EPYC, 2 threads) streams the weights slowly in that shape: one SmolLM2-135M forward's
-linear layers and LM head take about 46 ms for one row, 89 ms for two and 116 ms for three;
-the same products as W @ X^T with an even number of columns take 18-40 ms
-(`python -m bench.cpu_gemm` measures both on the machine it runs on). Results equal X @ W^T's
+linear layers and LM head took 49 ms for one row, 94 ms for two and 110 ms for three, and
+28-39 ms as W @ X^T with an even number of columns (`python -m bench.cpu_gemm` measures both
+on the machine it runs on; docs/cpu.md). Results equal X @ W^T's
 up to float32 summation order, so only forwards whose output is checked again may use it: the
 worker enters `few_row_linear` for level-1 drafting and the draft model, never for
 verification or prefill, which keep SGLang's own GEMM and so plain SGLang's numerics.
@@ -21,8 +21,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 MAX_ROWS = 5
-"""Up to this many rows the W @ X^T form is faster here; from 6 rows on both forms cost the
-same (`bench.cpu_gemm`)."""
+"""Up to this many rows the W @ X^T form is used. Its gain is gone at 5 rows (`bench.cpu_gemm`:
+0.94x-1.00x); forced on 6-36 rows in a one-off measure it was no faster than X @ W^T."""
+
+_MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
+"""The calls SGLang's LM head makes (`hidden @ weight.T`); looked up on every torch call."""
 
 
 def few_row_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -57,9 +60,8 @@ class _FewRowLinear(TorchFunctionMode):
             out = few_row_product(args[0], args[1])
             if out is not None and bias is not None:
                 out += bias
-        elif (func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-              and not kwargs and len(args) == 2 and isinstance(args[1], torch.Tensor)
-              and args[1].dim() == 2):
+        elif (func in _MATMULS and not kwargs and len(args) == 2
+              and isinstance(args[1], torch.Tensor) and args[1].dim() == 2):
             out = few_row_product(args[0], args[1].t())
         return func(*args, **kwargs) if out is None else out
 
