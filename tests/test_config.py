@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import vericache_server_args
 from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
 from vericache_sglang.speculative import algorithm
-from vericache_sglang.speculative.drafter import check_draft_model
+from vericache_sglang.speculative.drafter import DRAFT_VOCAB_FILE, check_draft_model
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -127,6 +127,18 @@ def test_a_draft_model_must_share_the_target_tokenizer(demo_models, tmp_path):
     path.write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         check_draft_model(str(tmp_path / "draft"), str(demo_models.target))
+
+
+@pytest.mark.parametrize("text", [
+    "not json", '{"ids": [1, 2]}', '{"token_ids": []}', '{"token_ids": [5, 5]}',
+    '{"token_ids": [1, 49152]}', '{"token_ids": [-1]}', '{"token_ids": ["def"]}',
+])
+def test_a_broken_draft_vocabulary_is_refused(demo_models, tmp_path, text):
+    shutil.copytree(demo_models.draft, tmp_path / "draft")
+    (tmp_path / "draft" / DRAFT_VOCAB_FILE).write_text(text)
+    with pytest.raises(ValueError, match=DRAFT_VOCAB_FILE) as info:
+        check_draft_model(str(tmp_path / "draft"), str(demo_models.target))
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(("given", "message"), [

@@ -4,13 +4,20 @@ LlamaForCausalLM that agrees with the demo model's greedy token on held-out stdl
 from __future__ import annotations
 
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vericache_sglang import distill, models, prompts
+from vericache_sglang.speculative.drafter import (
+    DRAFT_VOCAB_FILE,
+    ModelDrafter,
+    load_draft_model,
+)
 
 MIN_AGREEMENT = 0.40
 """Teacher-forced top-1 agreement on the first 1,500 tokens of argparse.py (never trained on);
@@ -56,3 +63,44 @@ def test_training_text_is_third_party_files_of_the_chosen_types(tmp_path):
     assert names((".py",)) == {"pkg/a.py"}
     assert names((".txt",)) == {"other/f.txt"}
     assert names((".json",)) == set()
+
+
+def test_a_draft_vocabulary_restricts_the_head_to_its_rows(demo_models, tmp_path):
+    """With a draft vocabulary the drafter scores only the listed tokens, each with its row of
+    the model's head, and proposes the best of them (here not the full head's argmax)."""
+    torch.set_num_threads(2)
+    shutil.copytree(demo_models.draft, tmp_path / "draft")
+    full, token_ids = load_draft_model(tmp_path / "draft", "cpu", torch.float32)
+    assert token_ids is None
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_models.target))
+    ids = prompts.file_ids(tokenizer, "argparse.py", 200)
+    with torch.no_grad():
+        logits = full(torch.tensor([ids])).logits[0, -1]
+    keep = sorted(set(logits.topk(40).indices[1::2].tolist()) | set(range(100, 200)))
+    (tmp_path / "draft" / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": keep}))
+    restricted, token_ids = load_draft_model(tmp_path / "draft", "cpu", torch.float32)
+    head = restricted.get_output_embeddings().weight
+    assert token_ids.tolist() == keep
+    assert torch.equal(head, full.get_output_embeddings().weight[keep])
+    expected = keep[int(logits[keep].argmax())]
+    assert expected != int(logits.argmax())
+    drafter = ModelDrafter(str(tmp_path / "draft"), "cpu", torch.float32)
+    assert drafter.propose(["r"], [ids], [len(ids)], [1]) == [[expected]]
+
+
+def test_distillation_into_a_draft_vocabulary(demo_models):
+    """Tokens outside the draft vocabulary have no row: their targets read -1 and their loss is
+    the KL divergence to the target's distribution over the rows (no hard-label part)."""
+    recipe = distill.Recipe(copied_layers=8, trained_layers=1, init_layer=8, draft_vocab=4)
+    student = distill.Student(distill.load_target(demo_models.target), recipe)
+    greedy = torch.tensor([[7, 3, 3, 9, 3, 7, 2, 5]])
+    student.choose_vocab(distill.Labels(torch.zeros(1, 8, 576), torch.zeros(1, 8, 576), greedy))
+    assert student.token_ids.tolist() == [2, 3, 5, 7]  # 3 and 7 most often, ties by lower id
+    assert student.targets(torch.tensor([3, 9, 7, 2])).tolist() == [1, -1, 3, 0]
+    assert student.tokens(torch.tensor([[0.0, 1.0, 0.5, 0.2]])).tolist() == [3]
+    head = torch.randn(4, 8)
+    final, out = torch.randn(1, 2, 8), torch.randn(1, 2, 8, requires_grad=True)
+    loss = distill.distillation_loss(out, final, torch.tensor([[-1, -1]]), head, 0.5)
+    p = (final[0] @ head.T).softmax(-1)
+    log_q = (out[0] @ head.T).log_softmax(-1)
+    assert loss == pytest.approx(-(p * log_q).sum(-1).mean().item(), rel=1e-5)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from vericache_sglang import models, prompts
+from vericache_sglang.speculative.drafter import DRAFT_VOCAB_FILE, load_draft_model
 
 WEIGHTS_DIR = Path(__file__).parent / "drafter_weights"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -163,6 +164,9 @@ def labelled_corpus(target_dir: Path, work: Path, copied_layers: int, num_tokens
 # ----------------------------------------------------------------------------------------------
 # The student: a trained layer, final norm and head projection on the copied layers' output.
 
+VOCAB_KEY = "lm_head.token_ids"
+"""Shipped, with a draft vocabulary: the target tokens the head's rows stand for
+(`drafter.DRAFT_VOCAB_FILE` in the built model)."""
 PROJECTION_KEY = "lm_head.projection"
 """Shipped [H, H] matrix P: the draft's (untied) LM head is embed_tokens @ P, made at build time.
 Early hidden states do not live where the target's head reads; P maps them there for the cost
@@ -185,6 +189,7 @@ class Recipe:
     train_seconds: float = 0.0
     agreement: dict[str, float] | None = None
     suffixes: tuple[str, ...] = SUFFIXES  # the file types the training text came from
+    draft_vocab: int = 0  # head rows: the target's most frequent greedy tokens (0: all)
 
 
 class Student(torch.nn.Module):
@@ -209,6 +214,32 @@ class Student(torch.nn.Module):
         self.core.norm.load_state_dict(target.model.norm.state_dict())
         self.projection = torch.nn.Parameter(torch.eye(config.hidden_size))
         self.recipe = recipe
+        self.register_buffer("token_ids", None)  # set by `choose_vocab`
+
+    def choose_vocab(self, labels: Labels) -> None:
+        """Keep the head's rows for the `recipe.draft_vocab` tokens the target chooses most
+        often in the training labels (ids ascending)."""
+        counts = torch.bincount(labels.greedy.flatten())
+        self.token_ids = counts.argsort(descending=True, stable=True)[
+            : self.recipe.draft_vocab].sort().values
+
+    def head(self, full: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's head `full` this student scores."""
+        return full if self.token_ids is None else full[self.token_ids]
+
+    def targets(self, greedy: torch.Tensor) -> torch.Tensor:
+        """`greedy` as rows of `head`: -1 for a token outside the draft vocabulary."""
+        if self.token_ids is None:
+            return greedy
+        rows = torch.full((int(greedy.max()) + 1,), -1, dtype=torch.long)
+        known = self.token_ids[self.token_ids < len(rows)]
+        rows[known] = torch.searchsorted(self.token_ids, known)
+        return rows[greedy]
+
+    def tokens(self, scores: torch.Tensor) -> torch.Tensor:
+        """Token ids of the best rows of `scores` [..., rows of `head`]."""
+        best = scores.argmax(-1)
+        return best if self.token_ids is None else self.token_ids[best]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the draft feeds its LM head (the target's embeddings), from copied-layer hidden
@@ -238,7 +269,10 @@ class Student(torch.nn.Module):
         for i, layer in enumerate(self.core.layers):
             for name, value in layer.state_dict().items():
                 tensors[f"model.layers.{self.recipe.copied_layers + i}.{name}"] = value
-        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+        shipped = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+        if self.token_ids is not None:
+            shipped[VOCAB_KEY] = self.token_ids.contiguous()
+        return shipped
 
 
 def ship(student: Student, recipe: Recipe, dest: Path = WEIGHTS_DIR) -> None:
@@ -272,7 +306,8 @@ def student_agreement(student: Student, head: torch.Tensor,
                       sets: list[HeldOut]) -> dict[str, float]:
     """Teacher-forced top-1 agreement of the student with the target on each held-out file."""
     student.eval()
-    result = {s.name: round(((student(s.labels.hidden) @ head.T).argmax(-1)
+    rows = student.head(head)
+    result = {s.name: round((student.tokens(student(s.labels.hidden) @ rows.T)
                              == s.labels.greedy).float().mean().item(), 4) for s in sets}
     student.train()
     return result
@@ -280,10 +315,11 @@ def student_agreement(student: Student, head: torch.Tensor,
 
 def distillation_loss(out: torch.Tensor, final: torch.Tensor, greedy: torch.Tensor,
                       head: torch.Tensor, soft_weight: float, chunk: int = 512) -> float:
-    """Backpropagate, per token, the cross-entropy of the draft's full-vocabulary distribution
-    to a mixture: `soft_weight` x the target's distribution (recomputed from its stored final
-    states through the tied head) plus the rest on its greedy token; return that loss (KL
-    divergence to the mixture plus its constant entropy). The target's distribution says which
+    """Backpropagate, per token, the cross-entropy of the draft's distribution over the rows of
+    `head` to a mixture: `soft_weight` x the target's distribution over them (recomputed from
+    its stored final states through the tied head) plus the rest on its greedy token (a token
+    without a row, `greedy` -1, puts the whole weight on the distribution); return that loss
+    (KL divergence to the mixture plus its constant entropy). The target's distribution says which
     near-ties the draft may get wrong and which it may not, which its argmax alone does not.
     The gradient with respect to the logits is written out (softmax minus the mixture), in
     chunks of `chunk` tokens: autograd through [tokens, vocab] float32 tensors would spend
@@ -295,12 +331,14 @@ def distillation_loss(out: torch.Tensor, final: torch.Tensor, greedy: torch.Tens
         for i in range(0, len(flat), chunk):
             rows = slice(i, i + chunk)
             logits = (flat[rows].to(head.dtype) @ head.T).float()
-            if soft_weight:
-                mixture = (final[rows].to(head.dtype) @ head.T).float().softmax(-1)
-                mixture *= soft_weight
+            labelled = greedy[rows] >= 0
+            weight = torch.where(labelled, soft_weight, 1.0)[:, None]
+            if weight.any():
+                mixture = (final[rows].to(head.dtype) @ head.T).float().softmax(-1) * weight
             else:
                 mixture = torch.zeros_like(logits)
-            mixture[torch.arange(len(logits)), greedy[rows]] += 1 - soft_weight
+            hard = labelled.nonzero().flatten()
+            mixture[hard, greedy[rows][hard]] += 1 - soft_weight
             log_q = logits.log_softmax(-1)
             total -= (mixture * log_q).sum().item()
             grad[rows] = (log_q.exp_().sub_(mixture).to(head.dtype) @ head).float()
@@ -322,8 +360,13 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
     sets = held_out(target, AutoTokenizer.from_pretrained(str(target_dir)),
                     recipe.copied_layers)
     student, head = Student(target, recipe), target.lm_head.weight
-    # bf16 for the 49152-row head matmuls, the bulk of a step: about twice as fast on CPU.
-    head_bf16 = head.to(torch.bfloat16)
+    if recipe.draft_vocab:
+        student.choose_vocab(labels)
+        covered = (student.targets(labels.greedy) >= 0).float().mean().item()
+        print(f"[train] draft vocabulary: {recipe.draft_vocab:,} tokens, "
+              f"{covered:.2%} of the training labels", file=sys.stderr)
+    # bf16 for the head matmuls, the bulk of a step: about twice as fast on CPU.
+    head_bf16 = student.head(head).to(torch.bfloat16)
     recipe.train_tokens, recipe.batch_tokens = labels.greedy.numel(), batch_rows * seq_len
     optimizer = torch.optim.AdamW(student.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
                                   weight_decay=0.0)
@@ -351,8 +394,8 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
         # bf16 matmuls in the trained layers too (float32 weights and sums): 1.5x a step.
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = student(labels.hidden[rows])
-        loss = distillation_loss(out, labels.final[rows], labels.greedy[rows], head_bf16,
-                                 recipe.soft_weight)
+        loss = distillation_loss(out, labels.final[rows], student.targets(labels.greedy[rows]),
+                                 head_bf16, recipe.soft_weight)
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         seconds = time.monotonic() - start
@@ -386,8 +429,9 @@ def load_recipe(weights: Path = WEIGHTS_DIR) -> Recipe:
 def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR) -> Path:
     """Write the draft model's HF directory at `dest`: the target truncated after the trained
     layers, with the shipped tensors in place and an untied LM head (the target's embeddings
-    times the shipped projection); written atomically, with the completion marker of
-    models.py."""
+    times the shipped projection, all rows, so that the directory loads as a plain model);
+    with a draft vocabulary, its `DRAFT_VOCAB_FILE` too. Written atomically, with the
+    completion marker of models.py."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -396,6 +440,7 @@ def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR)
     models.truncate(model, recipe.copied_layers + recipe.trained_layers)
     tensors = load_file(str(weights / WEIGHTS_FILE))
     projection = tensors.pop(PROJECTION_KEY).float()
+    token_ids = tensors.pop(VOCAB_KEY, None)
     missing = set(tensors) - set(model.state_dict())
     if missing:
         raise ValueError(f"shipped tensors not in the draft model: {sorted(missing)}")
@@ -406,28 +451,35 @@ def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    models._save_atomically(model, AutoTokenizer.from_pretrained(str(target_dir)), dest)
+    extra = ({} if token_ids is None
+             else {DRAFT_VOCAB_FILE: json.dumps({"token_ids": token_ids.tolist()})})
+    models._save_atomically(model, AutoTokenizer.from_pretrained(str(target_dir)), dest, extra)
     return dest
 
 
 @torch.no_grad()
-def agreement(draft, target, ids: list[int]) -> float:
+def agreement(draft, target, ids: list[int], token_ids: torch.Tensor | None = None) -> float:
     """Fraction of positions where the draft's greedy token equals the target's, both
-    teacher-forced on `ids`."""
+    teacher-forced on `ids` (`token_ids`: the target token of each row of the draft's head,
+    as `load_draft_model` returns them)."""
     batch = torch.tensor([ids])
-    return (draft(batch).logits.argmax(-1) == target(batch).logits.argmax(-1)).float().mean().item()
+    best = draft(batch).logits.argmax(-1)
+    if token_ids is not None:
+        best = token_ids[best]
+    return (best == target(batch).logits.argmax(-1)).float().mean().item()
 
 
 def evaluate(target_dir: Path, weights: Path = WEIGHTS_DIR) -> dict[str, float]:
-    """Build the draft model into a temporary folder and measure it as a user would load it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Build the draft model into a temporary folder and measure it as the drafter loads it."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     target = load_target(target_dir)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_draft_model(target_dir, Path(tmp) / "draft", weights)
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return {f: round(agreement(draft, target, prompts.file_ids(tokenizer, f, EVAL_TOKENS)), 4)
+        draft, token_ids = load_draft_model(path, "cpu", torch.float32)
+    return {f: round(agreement(draft, target, prompts.file_ids(tokenizer, f, EVAL_TOKENS),
+                               token_ids), 4)
             for f in EVAL_FILES}
 
 
@@ -464,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--soft-weight", type=float, default=0.0,
                    help="weight of KL divergence to the target's full distribution; the rest "
                    "is cross-entropy against its greedy token (default: %(default)s)")
+    t.add_argument("--draft-vocab", type=int, default=0,
+                   help="rows of the draft's head: the target's most frequent greedy tokens "
+                   "in the training labels (default: %(default)s, the whole vocabulary)")
     t.add_argument("--eval-every", type=int, default=25,
                    help="steps between checkpoints (default: %(default)s)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -485,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         init_layer = args.copied_layers if args.init_layer is None else args.init_layer
         recipe = Recipe(args.copied_layers, args.trained_layers, init_layer, steps=args.steps,
                         lr=args.lr, soft_weight=args.soft_weight,
-                        suffixes=tuple(args.suffixes))
+                        suffixes=tuple(args.suffixes), draft_vocab=args.draft_vocab)
         recipe = train(target_dir, args.work_dir or default_work_dir(), recipe, args.tokens,
                        args.seq_len, args.max_file_tokens, args.batch_rows, args.eval_every,
                        args.resume, args.out)

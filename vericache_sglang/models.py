@@ -59,13 +59,16 @@ def _is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
 
 
-def _save_atomically(model, tokenizer, dest: Path) -> None:
-    """Write into a temporary folder, then rename, so readers never see half a model."""
+def _save_atomically(model, tokenizer, dest: Path, extra: dict[str, str] | None = None) -> None:
+    """Write into a temporary folder (the model, its tokenizer and `extra` text files by name),
+    then rename, so readers never see half a model."""
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
     tmp.chmod(0o755)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         (tmp / COMPLETE_MARKER).write_text("ok\n")
         if dest.exists():
             shutil.rmtree(dest)

@@ -12,8 +12,10 @@ The worker owns its drafter, as SGLang's NGRAM worker owns its `NgramCorpus`.
 from __future__ import annotations
 
 import abc
+import json
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,11 @@ from vericache_sglang.cpu.few_rows import few_row_linear
 
 PAD_TOKEN = 0
 """What `NgramCorpus` fills a draft with where it has no match."""
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+"""Beside a draft model's config.json, optional: `{"token_ids": [...]}`, the target tokens the
+drafter may propose (EAGLE-3's reduced draft vocabulary). Its head then keeps only their rows:
+a few thousand tokens cover nearly all of a small target's greedy choices on code, and the
+vocabulary-sized head is most of a small drafter's cost per token."""
 
 
 class Drafter(abc.ABC):
@@ -148,10 +155,7 @@ class ModelDrafter(Drafter):
 
     def __init__(self, path: str, device: torch.device | str, dtype: torch.dtype,
                  target_embedding: torch.Tensor | None = None, chunk: int = 512) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True).to(device).eval()
+        self.model, self.token_ids = load_draft_model(path, device, dtype)
         self.chunk = chunk  # prompt tokens per forward: bounds the attention scores' size
         self.shared_embedding = self._share_embedding(target_embedding)
         self._seqs: dict[str, _DraftSequence] = {}
@@ -188,7 +192,8 @@ class ModelDrafter(Drafter):
         logits = self._read(seq, context)
         proposal: list[int] = []
         while True:
-            proposal.append(int(logits.argmax()))
+            best = logits.argmax()
+            proposal.append(int(best if self.token_ids is None else self.token_ids[best]))
             if len(proposal) == length:
                 return proposal
             logits = self._feed(seq, proposal[-1:])
@@ -224,7 +229,7 @@ class ModelDrafter(Drafter):
         self._seqs.clear()
 
     def device_bytes(self) -> int:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [*self.model.parameters(), *self.model.buffers(), self.token_ids]
         for seq in self._seqs.values():
             for layer in seq.cache.layers:
                 tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
@@ -244,6 +249,43 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return bisect_left(range(n), True, key=lambda m: a[:m + 1] != b[:m + 1])
 
 
+def read_draft_vocab(path: str | Path, vocab_size: int) -> list[int] | None:
+    """The token ids of a draft model's `DRAFT_VOCAB_FILE` (None without one); ValueError
+    where the file is not a list of distinct ids below `vocab_size`."""
+    file = Path(path) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())["token_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read {file}: {e!r}") from None
+    if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
+            or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)):
+        raise ValueError(f"{file}: token_ids must be distinct ids in [0, {vocab_size})")
+    return ids
+
+
+def load_draft_model(path: str | Path, device: torch.device | str, dtype: torch.dtype):
+    """A draft model as the drafter runs it, and the target token each row of its head
+    stands for (None: row i is token i). With `DRAFT_VOCAB_FILE` the head keeps only the
+    listed rows, and the full-vocabulary head is not kept."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True).to(device).eval()
+    head = model.get_output_embeddings()
+    ids = read_draft_vocab(path, head.weight.shape[0])
+    if ids is None:
+        return model, None
+    token_ids = torch.tensor(ids, dtype=torch.long, device=head.weight.device)
+    rows = torch.nn.Linear(head.in_features, len(ids), bias=False, device=head.weight.device,
+                           dtype=head.weight.dtype)
+    rows.weight = torch.nn.Parameter(head.weight[token_ids], requires_grad=False)
+    model.set_output_embeddings(rows)
+    model.config.tie_word_embeddings = False
+    return model, token_ids
+
+
 def check_draft_model(path: str, tokenizer_path: str) -> None:
     """Refuse a draft model whose tokenizer maps text to other ids than the target's: its
     proposals would be other tokens than they read as. Raises ValueError with the reason."""
@@ -255,8 +297,10 @@ def check_draft_model(path: str, tokenizer_path: str) -> None:
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read the tokenizer of {where}: {e}") from None
 
-    if vocab(path) != vocab(tokenizer_path):
+    target_vocab = vocab(tokenizer_path)
+    if vocab(path) != target_vocab:
         raise ValueError(f"{path} does not share the target's tokenizer ({tokenizer_path})")
+    read_draft_vocab(path, len(target_vocab))
 
 
 def build_drafter(name: str, max_length: int, *, model_path: str | None = None,
