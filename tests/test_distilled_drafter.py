@@ -1,5 +1,6 @@
 """The distilled draft model (vericache_sglang/drafter_weights) builds into a plain Hugging Face
-LlamaForCausalLM that agrees with the demo model's greedy token on held-out stdlib code."""
+LlamaForCausalLM and a draft vocabulary; loaded as the drafter runs it, it agrees with the demo
+model's greedy token on held-out stdlib code."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from vericache_sglang import distill, models, prompts
 from vericache_sglang.speculative.drafter import (
@@ -19,10 +20,10 @@ from vericache_sglang.speculative.drafter import (
     load_draft_model,
 )
 
-MIN_AGREEMENT = 0.40
+MIN_AGREEMENT = 0.52
 """Teacher-forced top-1 agreement on the first 1,500 tokens of argparse.py (never trained on);
-the shipped weights measure 0.4173 (recipe.json); the margin covers float32 sums taken
-in another order on another machine."""
+the shipped weights measure 0.5367 in training (recipe.json) and 0.5353 as built in bf16; the
+margin covers float32 sums taken in another order on another machine."""
 
 
 def test_built_draft_model_agrees_with_the_target(tmp_path, demo_models):
@@ -33,13 +34,15 @@ def test_built_draft_model_agrees_with_the_target(tmp_path, demo_models):
     recipe = distill.load_recipe()
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_hidden_layers"] == recipe.copied_layers + recipe.trained_layers < 30
-    draft = AutoModelForCausalLM.from_pretrained(str(dest), dtype=torch.float32).eval()
+    draft, token_ids = load_draft_model(dest, "cpu", torch.float32)
+    assert len(token_ids) == recipe.draft_vocab
+    assert draft.get_output_embeddings().weight.shape[0] == recipe.draft_vocab
     target = distill.load_target(demo_models.target)
     tokenizer = AutoTokenizer.from_pretrained(str(dest))
     ids = prompts.file_ids(tokenizer, "argparse.py", distill.EVAL_TOKENS)
     assert ids == prompts.file_ids(AutoTokenizer.from_pretrained(str(demo_models.target)),
                                    "argparse.py", distill.EVAL_TOKENS)
-    assert distill.agreement(draft, target, ids) >= MIN_AGREEMENT
+    assert distill.agreement(draft, target, ids, token_ids) >= MIN_AGREEMENT
 
 
 def test_training_text_is_third_party_files_of_the_chosen_types(tmp_path):
