@@ -61,7 +61,7 @@ from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.config import get_config
-from vericache_sglang.cpu.few_rows import few_row_linear
+from vericache_sglang.cpu.few_rows import faster_row_counts, few_row_linear
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.eligibility import drafting_rows
@@ -192,6 +192,10 @@ class VeriCacheWorker(BaseSpecWorker):
         self._settling: list[bool] = []  # per request of the last step: a verified round
         self.metrics = (VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
                         if server_args.enable_metrics else None)
+        if torch.device(self.device).type == "cpu":
+            # Timed now, not in the first request's drafting forward (cpu/few_rows.py).
+            logger.info("VeriCache worker: W @ X^T GEMM form in drafting forwards of %s rows",
+                        sorted(faster_row_counts()) or "no")
         logger.info("VeriCache worker: compressor %s, draft length %d (%d..%d), drafter %s",
                     self.compressor.spec(), self.policy.initial, self.policy.minimum,
                     self.policy.maximum,
