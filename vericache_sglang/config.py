@@ -111,7 +111,9 @@ class VeriCacheConfig:
         metadata={
             "help": "A small model directory (Hugging Face format, the target's tokenizer) as "
             "the level-2 drafter: it decodes greedily on a KV cache of its own, on the "
-            "target's device and dtype, and sets --vericache-drafter model.",
+            "target's device and dtype, and sets --vericache-drafter model. A "
+            "draft_vocab.json beside its config.json ({\"token_ids\": [...]}) limits its head "
+            "to those tokens.",
         },
     )
     vericache_drafter_min_length: int = field(
