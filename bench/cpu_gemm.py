@@ -81,13 +81,13 @@ def main() -> None:
             lines.append(f"| {rows} | {plain * 1e3:.1f} | {few * 1e3:.1f} | {few / plain:.2f} |")
             print(lines[-1], flush=True)
     mb = sum(w.numel() * w.element_size() for w in weights) / 2**20
+    routed = ", ".join(map(str, sorted(faster_row_counts())))
     body = (f"Measured by `python -m bench.cpu_gemm` (the demo model's {len(weights)} weight "
             f"matrices of one forward, {mb:.0f} MiB float32, {args.threads} threads, best of "
             f"{args.repeats}, one run on this CPU; rows above the few-row form's limit run as "
             "X @ W^T in both columns):\n\n" + "\n".join(lines)
             + "\n\nThe worker's own timing on this CPU (`faster_row_counts`) routes "
-            + (f"{', '.join(map(str, sorted(faster_row_counts())))} rows" if faster_row_counts()
-               else "no row count") + " through the few-row form.")
+            + (f"{routed} rows" if routed else "no row count") + " through the few-row form.")
     print(body)
     if args.write_docs:
         replace_section(args.write_docs, SECTION, f"\n{body}\n")

@@ -231,10 +231,8 @@ class Student(torch.nn.Module):
         """`greedy` as rows of `head`: -1 for a token outside the draft vocabulary."""
         if self.token_ids is None:
             return greedy
-        rows = torch.full((int(greedy.max()) + 1,), -1, dtype=torch.long)
-        known = self.token_ids[self.token_ids < len(rows)]
-        rows[known] = torch.searchsorted(self.token_ids, known)
-        return rows[greedy]
+        rows = torch.searchsorted(self.token_ids, greedy).clamp_(max=len(self.token_ids) - 1)
+        return torch.where(self.token_ids[rows] == greedy, rows, -1)
 
     def tokens(self, scores: torch.Tensor) -> torch.Tensor:
         """Token ids of the best rows of `scores` [..., rows of `head`]."""
