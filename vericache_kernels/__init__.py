@@ -13,7 +13,13 @@ from . import layout
 from .attention_cpu import decode_attention_cpu
 from .attention_ref import decode_attention_ref, merge_attention, tail_attention_ref
 from .layout import PackedKV, PagedKV
-from .quant_ref import SUPPORTED_BITS, dequantize_unpack_ref, quantize_pack_ref
+from .quant_ref import (
+    SUPPORTED_BITS,
+    dequantize_unpack_ref,
+    pack_codes,
+    quantize_pack_ref,
+    unpack_codes,
+)
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -24,9 +30,11 @@ __all__ = [
     "dequantize_unpack",
     "dequantize_values",
     "merge_attention",
+    "pack_codes",
     "quantize_keys",
     "quantize_pack",
     "quantize_values",
+    "unpack_codes",
 ]
 
 

@@ -45,9 +45,20 @@ def quantize_pack_ref(
     step = scale.float()
     step = torch.where(step > 0, step, torch.ones_like(step))
     codes = torch.floor((xf - zero.float()[..., None]) / step[..., None] + 0.5).clamp_(0, qmax)
-    codes = codes.to(torch.int32).reshape(rows, length // (8 // bits), 8 // bits)
-    packed = (codes << _shifts(bits, x.device)).sum(-1).to(torch.uint8)
-    return packed, scale, zero
+    return pack_codes(codes.to(torch.int32).reshape(rows, length), bits), scale, zero
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes [..., L] in [0, 2**bits) -> packed uint8 [..., L*bits/8] (the layout above)."""
+    per_byte = 8 // bits
+    lanes = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    return (lanes << _shifts(bits, codes.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: packed uint8 [..., W] -> uint8 codes [..., W * 8 // bits]."""
+    lanes = [(packed >> (lane * bits)) & ((1 << bits) - 1) for lane in range(8 // bits)]
+    return torch.stack(lanes, -1).reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
 
 
 def dequantize_unpack_ref(
