@@ -16,6 +16,7 @@ import pytest
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InsertParams,
@@ -307,3 +308,59 @@ def test_rows_of_several_steps_read_each_prefix_once_and_equal_single_steps():
     setup.backend.end_round()
     for key, ref in expected.items():
         torch.testing.assert_close(got[key], ref, rtol=1e-5, atol=1e-5, msg=str(key))
+
+
+def test_pages_follow_a_paged_allocator():
+    """With SGLang's --page-size 64 (its paged allocator), compressed pages are freed with
+    their slots however the allocator frees them: a finished request's row and a duplicate
+    prefix (`free_segment`), the tree evicting a node, one slot of a page (the allocator
+    frees the whole page), a free group. Slots handed out again are compressed again, never
+    read through a page made from the tokens they held before."""
+    page, slots_total = 64, 4096
+    kv = MHATokenToKVPool(size=slots_total, page_size=page, dtype=torch.float32,
+                          head_num=KV_HEADS, head_dim=DIM, layer_num=1, device="cpu",
+                          enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(size=slots_total, page_size=page,
+                                            dtype=torch.float32, device="cpu", kvcache=kv,
+                                            need_sort=False)
+    req_to_token = ReqToTokenPool(size=4, max_context_len=1024, device="cpu",
+                                  enable_memory_saver=False)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=req_to_token,
+                                      token_to_kv_pool_allocator=allocator, page_size=page))
+    compressor = parse_compressor_spec("kivi:bits=4")
+    pool = CompressedPagePool(compressor, kv, num_pages=pool_pages(compressor, slots_total))
+    pool.follow(allocator)
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, 49152, (512,), generator=gen).tolist()
+
+    # A request of 512 tokens ends: the tree keeps its first 256 (4 pages), the rest of its
+    # row is freed as SGLang releases a request's row.
+    slots = allocator.alloc(512)
+    pool.pages(slots)
+    assert pool.used_pages == pool.compressed_pages == 16
+    tree.insert(InsertParams(key=RadixKey(array("q", tokens[:256])), value=slots[:256]))
+    allocator.free_segment(slots[256:], start_pos=256)
+    assert pool.used_pages == 8
+
+    # The freed slots go to the next request, holding other tokens: compressed anew.
+    again = allocator.alloc(256)
+    assert set(again.tolist()) == set(slots[256:].tolist())
+    pool.pages(again)
+    assert pool.compressed_pages == 24 and pool.used_pages == 16
+
+    # One slot of a page: the allocator frees the whole page, and both groups of it go.
+    allocator.free(again[70:71])
+    assert pool.used_pages == 14
+    # A free group (SGLang batches a step's frees in one).
+    allocator.free_group_begin()
+    allocator.free_segment(again[128:], start_pos=128)
+    allocator.free(again[:1])  # `free` in a group waits for its end
+    assert pool.used_pages == 10
+    allocator.free_group_end()
+    assert pool.used_pages == 8
+
+    # The tree evicts the cached prefix.
+    tree.evict(EvictParams(num_tokens=tree.evictable_size()))
+    assert tree.total_size() == 0
+    assert pool.used_pages == 0 and pool.held_bytes() == 0
+    assert allocator.available_size() == slots_total

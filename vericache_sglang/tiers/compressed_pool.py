@@ -128,12 +128,22 @@ class CompressedPagePool:
 
     def follow(self, allocator) -> None:
         """Free pages with the full-pool slots they were made from: wrap the SGLang allocator
-        instance's `free` (which `free_group_end` and the page-id forms call too) and `clear`."""
+        instance's `free` (which `free_group_end` calls too) and `clear`, and with pages of more
+        than one slot its `free_page_ids` too: a paged allocator's `free_segment` (a finished
+        request's row, a tree node's eviction) and its free groups release pages through it
+        without calling `free`. A paged allocator frees the whole page of any slot it is given,
+        so every slot of those pages counts as freed."""
         free, clear = allocator.free, allocator.clear
+        page_size = getattr(allocator, "page_size", 1)
+
+        def slots_of_pages(page_ids: torch.Tensor) -> torch.Tensor:
+            offsets = torch.arange(page_size, device=page_ids.device)
+            return (page_ids.to(torch.int64)[:, None] * page_size + offsets).flatten()
 
         def free_both(free_index: torch.Tensor) -> None:
             if allocator.free_group is None:  # a group's frees come back here at its end
-                self.free_slots(free_index)
+                self.free_slots(free_index if page_size == 1 else
+                                slots_of_pages(torch.unique(free_index // page_size)))
             free(free_index)
 
         def clear_both() -> None:
@@ -141,6 +151,16 @@ class CompressedPagePool:
             clear()
 
         allocator.free, allocator.clear = free_both, clear_both
+        if page_size > 1:
+            free_page_ids = allocator.free_page_ids
+
+            def free_pages_both(page_ids: torch.Tensor) -> None:
+                # In a free group the ids wait for `free_group_end`, which releases them
+                # without coming back here: their slots are the owner's no more either way.
+                self.free_slots(slots_of_pages(page_ids))
+                free_page_ids(page_ids)
+
+            allocator.free_page_ids = free_pages_both
 
     def clear(self) -> None:
         """Free every page (the allocator was reset)."""
