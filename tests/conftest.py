@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from vericache_sglang import models  # noqa: E402
 from vericache_sglang.config import VeriCacheConfig, attach_config  # noqa: E402
-from vericache_sglang.prompts import stdlib_source  # noqa: E402, F401 (tests import it here)
+from vericache_sglang.prompts import stdlib_ids, stdlib_source  # noqa: E402, F401 (tests import it here)
 from vericache_sglang.server_process import ServerProcess  # noqa: E402
 from vericache_sglang.stores.mooncake_service import (  # noqa: E402
     MooncakeService,
@@ -32,6 +32,20 @@ def demo_models() -> models.PreparedModels:
 @pytest.fixture(scope="session")
 def demo_model(demo_models: models.PreparedModels) -> Path:
     return demo_models.target
+
+
+@pytest.fixture(scope="session")
+def model_kv(demo_model: Path):
+    """Real KV for the codec and store tests: the demo model in float32 over 512 tokens of a
+    stdlib source, every layer, as [L, n, H, D] keys and values (in memory only)."""
+    import torch
+
+    from bench import hf_eval
+
+    model, tokenizer = hf_eval.load_model(demo_model)
+    layers = hf_eval.prefill(model, stdlib_ids(tokenizer, "textwrap", 512), total_scores=False)
+    return (torch.stack([layer.keys for layer in layers]),
+            torch.stack([layer.values for layer in layers]))
 
 
 # Arguments every test server shares, so that a VeriCache server and the plain one differ only

@@ -93,18 +93,41 @@ class VeriCacheMetrics:
             "behind drafting or earlier layers).")
 
         self.disk_faults = Counter(
-            "vericache:disk_faults", "Disk-tier pages that could not be used (kind: missing, "
+            "vericache:disk_faults", "Stored pages that could not be used (kind: missing, "
             "short, corrupt, read_error, write_error); each made its prefix recompute from "
             "that page on.", labelnames=[*labels.keys(), "kind"])
-        self._disk_faults_seen: dict[str, int] = {}
+        self.store_bytes = Counter(
+            "vericache:store_bytes", "Bytes written to and read from the KV store (direction: "
+            "written, read; form: coded CacheGen streams, raw pages, or kv: the host pool's "
+            "bytes of those pages).", labelnames=[*labels.keys(), "direction", "form"])
+        self.store_pages = Counter(
+            "vericache:store_pages", "Pages written to and read from the KV store.",
+            labelnames=[*labels.keys(), "direction", "form"])
+        self.store_codec_seconds = Counter(
+            "vericache:store_codec_seconds", "Time spent coding pages for the KV store "
+            "(direction: written = encode, read = decode and checks).",
+            labelnames=[*labels.keys(), "direction"])
+        self._store_seen: dict[str, float] = {}
 
-    def record_disk_faults(self, counts: dict[str, int]) -> None:
-        """Bring the fault counters up to the storage backend's running counts."""
-        for kind, count in counts.items():
-            seen = self._disk_faults_seen.get(kind, 0)
-            if count > seen:
-                self.disk_faults.labels(**self._labels, kind=kind).inc(count - seen)
-                self._disk_faults_seen[kind] = count
+    def record_store(self, snapshot: dict) -> None:
+        """Bring the store counters up to the storage backend's running counts
+        (`stores.file.StoreStats.snapshot`)."""
+        running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
+        running.update(snapshot["io"])
+        for name, total in running.items():
+            step = total - self._store_seen.get(name, 0)
+            if step <= 0:
+                continue
+            self._store_seen[name] = total
+            if name.startswith("fault_"):
+                self.disk_faults.labels(**self._labels, kind=name[6:]).inc(step)
+                continue
+            direction, form, unit = name.split("_", 2)
+            if unit == "seconds":
+                self.store_codec_seconds.labels(**self._labels, direction=direction).inc(step)
+            else:
+                counter = self.store_pages if unit == "pages" else self.store_bytes
+                counter.labels(**self._labels, direction=direction, form=form).inc(step)
 
     def record_fetch(self, stats, *, prefill: bool) -> None:
         """Add one forward's full-tier reads (`tiers.staging.FetchStats`)."""

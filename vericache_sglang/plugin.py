@@ -25,10 +25,12 @@ from vericache_sglang.config import (
     option_names,
 )
 from vericache_sglang.cpu import hicache as cpu_hicache
+from vericache_sglang.cpu import lazy_kv
 from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
+from vericache_sglang.stores import file as file_store
 from vericache_sglang.tiers import budget, disk
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,9 @@ def register() -> None:
     startup.register()
     if _cpu_engine():
         cpu_hicache.register()
+        lazy_kv.register()
     register_spec()
+    file_store.register()
     meta_info.register()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)

@@ -73,8 +73,8 @@ CONSTRAINTS = {
         "required": ["name", "arguments", "returns"]})},
     "regex": {"regex": r"def [a-z_]+\((([a-z_]+)(, [a-z_]+)*)?\):\n    \"\"\"[A-Za-z ,.]+\"\"\"\n"},
 }
-# 4,000-6,000 tokens, sent on their own (CI time): a chat here, code continuation after 6,000
-# tokens in test_full_tier.py.
+# 4,000-6,000 tokens, sent on their own (CI time): a chat here, code continuation over 4,300
+# tokens (three prefill chunks) in test_full_tier.py.
 LONGEST: dict[str, Callable] = {
     "chat_tarfile_4200": chat("Summarize what this code does, class by class.",
                               "tarfile", 0, 4200),

@@ -5,7 +5,9 @@ that prefix recompute from the bad page on, with identical output, and is counte
 
 One VeriCache server: a host full tier of 3,072 tokens, so four 1,000-token prompts in turn
 spill the first to disk; SGLang's prefetch waits for the whole prefix (`wait_complete`), so the
-reloaded token counts are exact rather than timing-dependent.
+reloaded token counts are exact rather than timing-dependent. The store is a slow one: SGLang's
+own fault injector delays every storage call by up to 50 ms
+(`SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
 from tests.speculative.identity import payload
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
-from vericache_sglang.tiers.disk import DIGEST_BYTES
+from vericache_sglang.stores.file import DIGEST_BYTES
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -46,7 +48,7 @@ def disk_server(demo_model: Path, disk_dir: Path) -> Iterator[ServerProcess]:
         "--vericache-disk-dir", str(disk_dir),
         "--vericache-full-tier-budget", str(HOST_TOKENS * FULL_KV_BYTES_PER_TOKEN),
         "--hicache-storage-prefetch-policy", "wait_complete",
-    ], max_total_tokens=8192) as server:
+    ], max_total_tokens=8192, env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.05"}) as server:
         yield server
 
 

@@ -12,13 +12,18 @@ For each VeriCache configuration, sampling configuration and output position, a 
 chi-square test compares the token counts with plain SGLang's; tokens seen fewer than
 `MIN_CELL` times in both samples together are pooled into one cell, so every cell expects about
 5 or more per server. Position 0 comes from prefill on both servers (a control); positions 1..
-come from VeriCache's draft and verify rounds. Each of the M tests fails at p < `FAMILY_ALPHA`
-/ M, so under exact sampling the module fails with probability below `FAMILY_ALPHA` = 1e-3
-(Bonferroni).
+come from VeriCache's draft and verify rounds. A draw fails when one of its M tests has p <
+`DRAW_ALPHA` / M (Bonferroni: under exact sampling, probability below `DRAW_ALPHA`). A failed
+draw is drawn again, fresh samples from both servers, and the test fails only if that draw
+fails too: a real deviation reproduces, and under exact sampling both fail with probability
+below `DRAW_ALPHA`**2 = `FAMILY_ALPHA` = 1e-3. (One draw at 1e-3 failed here once for a whole
+test order: sampling is seeded, so one unlucky draw is unlucky on every run of that order; 600
+fresh samples per configuration then gave p >= 0.08 at every position.)
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +43,7 @@ NEW_TOKENS = 4
 PROMPT_TOKENS = 128
 MIN_CELL = 10
 FAMILY_ALPHA = 1e-3
+DRAW_ALPHA = math.sqrt(FAMILY_ALPHA)
 CONFIGS = {
     "temperature_1": {"temperature": 1.0},
     "top_k_top_p": {"temperature": 0.9, "top_k": 40, "top_p": 0.9},
@@ -69,13 +75,14 @@ def _answers(server: ServerProcess, ids: list[int]) -> dict[str, list[dict]]:
 def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[dict]]]:
     """Plain SGLang's answers to the batch, and each VeriCache configuration's: one level, and
     the untrained 4-layer draft model proposing under it (level 1 checks its point-mass
-    proposals by speculative sampling, nearly always drawing from q without the proposal)."""
+    proposals by speculative sampling, nearly always drawing from q without the proposal).
+    Where a configuration's draw fails, `runs["again"][variant]` is a fresh draw of both."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_models.target)
     # The json module's docstring, cut inside an example: several likely tokens per position.
     ids = stdlib_ids(tokenizer, "json", PROMPT_TOKENS)
-    result = {"plain": _answers(plain_server, ids)}
+    result = {"plain": _answers(plain_server, ids), "again": {}}
     variants = {"one level": VERICACHE_ARGS,
                 "draft model": [*VERICACHE_ARGS, "--vericache-draft-model",
                                 str(demo_models.draft), "--vericache-drafter-max-length", "2"]}
@@ -84,6 +91,8 @@ def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[d
             began = time.monotonic()
             result[name] = _answers(server, ids)
             print(f"\n[{name}] batch answered in {time.monotonic() - began:.0f} s")
+            if _compare(result["plain"], result[name])[1]:
+                result["again"][name] = (_answers(plain_server, ids), _answers(server, ids))
     return result
 
 
@@ -100,25 +109,35 @@ def _two_sample_pvalue(a: list[int], b: list[int]) -> tuple[float, int]:
     return float(chi2_contingency(rows, correction=False).pvalue), len(rows[0])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_sampled_tokens_follow_plain_sglangs_distribution(runs, variant):
+def _compare(plain: dict[str, list[dict]], ours: dict[str, list[dict]]
+             ) -> tuple[list[str], list[str], int]:
+    """One draw's tests: (report lines, failing lines, positions spread over 3+ tokens)."""
     tests = len(VARIANTS) * len(CONFIGS) * NEW_TOKENS
     report, failures, informative = [], [], 0
     for name in CONFIGS:
-        plain = [o["output_ids"] for o in runs["plain"][name]]
-        ours = [o["output_ids"] for o in runs[variant][name]]
-        assert len(plain) == len(ours) == SAMPLES
-        assert all(len(ids) == NEW_TOKENS for ids in plain + ours)
+        a = [o["output_ids"] for o in plain[name]]
+        b = [o["output_ids"] for o in ours[name]]
+        assert len(a) == len(b) == SAMPLES
+        assert all(len(ids) == NEW_TOKENS for ids in a + b)
         for pos in range(NEW_TOKENS):
-            pvalue, cells = _two_sample_pvalue([o[pos] for o in plain], [o[pos] for o in ours])
+            pvalue, cells = _two_sample_pvalue([o[pos] for o in a], [o[pos] for o in b])
             report.append(f"{name} position {pos}: p={pvalue:.3g} ({cells} cells)")
             informative += cells >= 3
-            if pvalue < FAMILY_ALPHA / tests:
+            if pvalue < DRAW_ALPHA / tests:
                 failures.append(report[-1])
+    return report, failures, informative
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sampled_tokens_follow_plain_sglangs_distribution(runs, variant):
+    report, failures, informative = _compare(runs["plain"], runs[variant])
     print("\n  " + "\n  ".join(report))
-    assert not failures, failures
     # The prompt keeps the test informative: most positions spread over several tokens.
     assert informative >= len(CONFIGS) * NEW_TOKENS // 2, report
+    if failures:
+        report, again, _ = _compare(*runs["again"][variant])
+        print(f"  first draw failed at {failures}; again:\n  " + "\n  ".join(report))
+        assert not again, (failures, again)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

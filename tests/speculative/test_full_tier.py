@@ -80,11 +80,13 @@ def test_eight_long_requests_at_once_under_a_small_device_budget(host_server, pl
     assert out["meta_info"]["cached_tokens"] >= 1900
 
 
-def test_a_6000_token_prompt_prefilled_in_chunks(host_server, plain, tokenizer):
+def test_a_4300_token_prompt_prefilled_in_chunks(host_server, plain, tokenizer):
     """Chunks of 2,048 tokens: the second and third attend to the earlier ones streamed from
-    the host tier."""
+    the host tier. 4,300 tokens is what that takes (a third chunk, of 204 tokens, over the
+    4,096 before it): a longer prompt reads the same below and only prefills longer."""
     before = _state(host_server)["full_tier_reads"]["prefill"]["bytes"]
-    request = payload(stdlib_ids(tokenizer, "argparse", 6000), "code", max_new_tokens=24)
+    request = payload(stdlib_ids(tokenizer, "argparse", 4300), "code", max_new_tokens=24)
+    assert len(request["input_ids"]) > 2 * 2048
     out = host_server.generate(request)
     assert out["output_ids"] == plain(request)["output_ids"]
     assert out["meta_info"][READ_BYTES_KEY][0] >= 6144 * FULL_KV_BYTES_PER_TOKEN

@@ -45,7 +45,7 @@ def test_twelve_real_prompts_in_one_batch(vericache_server, plain, prompt_ids):
 def test_a_chat_over_four_thousand_tokens(vericache_server, plain, tokenizer):
     """A chat about 4,200 tokens of tarfile.py: plain SGLang's tokens (prefill in three
     chunks, a compressed tier of thousands of tokens, the full KV streamed from host memory).
-    Code continuation after 6,000 tokens is test_full_tier.py's."""
+    Code continuation over 4,300 tokens (three chunks) is test_full_tier.py's."""
     ids = {name: make(tokenizer) for name, make in LONGEST.items()}
     assert all(4000 <= len(prompt) <= 6000 for prompt in ids.values())
     assert_batch_identical(vericache_server, plain, ids, "kivi:bits=4, 4k prompt")

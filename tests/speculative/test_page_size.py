@@ -1,5 +1,6 @@
 """VeriCache under SGLang's `--page-size 64` (HiCache storage deployments use 32-64): output
-identical to plain SGLang with the same page size, token for token, in float32.
+identical to plain SGLang with the same page size, token for token, in float32, and a prefix
+stored by one server in coded pages reloaded by the next.
 
 SGLang's paged allocator hands out and frees KV slots a page at a time: each decode step
 reserves whole pages past a request's committed length, a finished request's row goes back
@@ -8,19 +9,31 @@ is keyed by those slots and freed with them (tests/tiers/test_compressed_pool.py
 for every free path of the paged allocator). Here: real prompts in one batch, one of them over
 2,048 tokens (chunked prefill), then a cached prefix reused with another suffix.
 
-Plain SGLang answers first and is stopped before the VeriCache server starts, so one server
+Storage: the VeriCache server (A) keeps its full KV on the disk tier (`--vericache-full-tier
+disk`, SGLang's hierarchical cache over its `file` backend), which stores every page as one
+CacheGen stream (`stores/file.py`). A answers a 3,200-token prompt and stops once its 50 pages
+are files. Server B is started afterwards the way a user adds storage: `--enable-hierarchical-
+cache --hicache-storage-backend file` and SGLang's own extra config naming A's directory, every
+other HiCache and VeriCache memory setting at its default (one host pool: VeriCache's host tier
+holds the full KV, SGLang's host memory only stages pages). B answers the prompt plus a
+question with the prefix loaded from A's files, as plain SGLang answers it from scratch.
+
+Plain SGLang answers first and is stopped before the VeriCache servers start, so one server
 of this module is up at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import time
 from pathlib import Path
 
 import pytest
+from sglang.srt.mem_cache.utils import get_hash_str
 
-from tests.conftest import HOST_BUDGET, SERVER_ARGS
+from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
 from tests.speculative.identity import PROMPTS, payload, send_all, stats
+from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -33,57 +46,103 @@ VERICACHE_ARGS = [
     "--vericache-compressor", "kivi:bits=4",
     "--vericache-draft-length", "16",
     "--vericache-full-tier-budget", HOST_BUDGET,
+    "--vericache-full-tier", "disk",
+    # The storage hit is whole, not what a slow CPU loaded before a timeout.
+    "--hicache-storage-prefetch-policy", "wait_complete",
 ]
 NAMES = ["argparse_2300", "heapq_400", "chat_palindrome"]
 NEW_TOKENS = 40
 REUSED = 2000
 """Tokens of argparse_2300 the second request repeats: the tree has cached 1,984 of them
 (31 whole pages), the rest and its own suffix are prefilled."""
+STORED_TOKENS = 3200
+"""The stored prefix: 50 pages."""
+STORED_NEW_TOKENS = 12
+"""Enough to draft over the reloaded prefix (CI time: the prefills are what is tested)."""
 
 
-def _payloads(tokenizer) -> tuple[list[dict], dict]:
-    """The batch, and a request over the first `REUSED` tokens of its long prompt followed by
-    another suffix (sent after the batch)."""
+def _payloads(tokenizer) -> dict:
+    """The batch; a request over the first `REUSED` tokens of its long prompt followed by
+    another suffix (sent after the batch); the prompt to store, and a question over it."""
     ids = {name: PROMPTS[name](tokenizer) for name in NAMES}
-    batch = [payload(ids[name], name, max_new_tokens=NEW_TOKENS) for name in NAMES]
     suffix = PROMPTS["bisect_300"](tokenizer)[:60]
-    reuse = payload(ids["argparse_2300"][:REUSED] + suffix, "code", max_new_tokens=NEW_TOKENS)
-    return batch, reuse
-
-
-def _serve(server: ServerProcess, batch: list[dict], reuse: dict) -> tuple[list[dict], dict]:
-    return send_all(server, batch), server.generate(reuse)
+    stored = stdlib_ids(tokenizer, "inspect", STORED_TOKENS, start=100)
+    return {
+        "batch": [payload(ids[name], name, max_new_tokens=NEW_TOKENS) for name in NAMES],
+        "reuse": payload(ids["argparse_2300"][:REUSED] + suffix, "code",
+                         max_new_tokens=NEW_TOKENS),
+        "store": payload(stored, "code", max_new_tokens=STORED_NEW_TOKENS),
+        "question": payload(stored + suffix, "code", max_new_tokens=STORED_NEW_TOKENS),
+    }
 
 
 @pytest.fixture(scope="module")
-def paged_requests(tokenizer) -> tuple[list[dict], dict]:
+def paged_requests(tokenizer) -> dict:
     return _payloads(tokenizer)
 
 
 @pytest.fixture(scope="module")
-def plain_answers(demo_model: Path, paged_requests) -> tuple[list[dict], dict]:
+def plain_answers(demo_model: Path, paged_requests) -> dict:
     with ServerProcess(demo_model, PAGED_ARGS) as server:
-        return _serve(server, *paged_requests)
+        return {"batch": send_all(server, paged_requests["batch"]),
+                **{name: server.generate(paged_requests[name])
+                   for name in ("reuse", "store", "question")}}
+
+
+def _page_files(directory: Path, request: dict) -> list[Path]:
+    """The files of the request's whole pages that exist (SGLang's chained page hashes)."""
+    keys = get_hash_str(request["input_ids"], None, PAGE_SIZE)
+    return [p for key in keys[:len(request["input_ids"]) // PAGE_SIZE]
+            for p in directory.glob(f"{key}_*.bin")]
 
 
 @pytest.fixture(scope="module")
-def vericache_answers(demo_model: Path, paged_requests, plain_answers
-                      ) -> Iterator[tuple[list[dict], dict, dict]]:
+def store_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("coded-pages")
+
+
+@pytest.fixture(scope="module")
+def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir) -> dict:
+    """Server A's answers, its `/server_info`, and the files of the stored prompt's pages,
+    written before A stopped."""
     del plain_answers  # asked first, and its server stopped
-    with ServerProcess(demo_model, VERICACHE_ARGS) as server:
-        batch, reuse = _serve(server, *paged_requests)
-        info = server.server_info()
-        yield batch, reuse, info
+    with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
+                       ) as server:
+        answers = {"batch": send_all(server, paged_requests["batch"]),
+                   **{name: server.generate(paged_requests[name])
+                      for name in ("reuse", "store")}}
+        deadline = time.monotonic() + 300
+        while (len(files := _page_files(store_dir, paged_requests["store"]))
+               < STORED_TOKENS // PAGE_SIZE and time.monotonic() < deadline):
+            time.sleep(1)
+        return {**answers, "info": server.server_info(), "files": files}
+
+
+@pytest.fixture(scope="module")
+def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir) -> dict:
+    """Server B's answer to the question over the prefix A stored (A has stopped)."""
+    del vericache_answers
+    with ServerProcess(demo_model, [
+        *PAGED_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
+        "--vericache-draft-length", "16", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+        json.dumps({"file_storage_path": str(store_dir)}),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    ]) as server:
+        out = server.generate(paged_requests["question"])
+        out["store_io"] = server.server_info()["internal_states"][0]["vericache_state"][
+            "store_io"]
+        return out
 
 
 def test_the_server_runs_with_pages_of_64(vericache_answers):
-    *_, info = vericache_answers
+    info = vericache_answers["info"]
     assert info["page_size"] == PAGE_SIZE
     assert info["speculative_algorithm"] == "VERICACHE"
 
 
 def test_a_batch_is_identical_to_plain_sglang(vericache_answers, plain_answers):
-    got, want = vericache_answers[0], plain_answers[0]
+    got, want = vericache_answers["batch"], plain_answers["batch"]
     for name, out, expected in zip(NAMES, got, want, strict=True):
         assert out["output_ids"] == expected["output_ids"], name
         assert out["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
@@ -94,10 +153,31 @@ def test_a_batch_is_identical_to_plain_sglang(vericache_answers, plain_answers):
 
 
 def test_a_cached_prefix_with_another_suffix_is_identical(vericache_answers, plain_answers):
-    out, expected = vericache_answers[1], plain_answers[1]
+    out, expected = vericache_answers["reuse"], plain_answers["reuse"]
     assert out["output_ids"] == expected["output_ids"]
     # The tree caches whole pages: all of the prefix's but the partial last one.
     assert (out["meta_info"]["cached_tokens"] == expected["meta_info"]["cached_tokens"]
             == REUSED // PAGE_SIZE * PAGE_SIZE)
     rounds, _, accepted = stats(out)
     assert rounds < len(out["output_ids"]) / 2 and accepted > 0
+
+
+def test_a_prefix_stored_in_coded_pages_is_reloaded_by_the_next_server(
+        vericache_answers, reloaded_answer, plain_answers):
+    assert vericache_answers["store"]["output_ids"] == plain_answers["store"]["output_ids"]
+    files = vericache_answers["files"]
+    assert len(files) == STORED_TOKENS // PAGE_SIZE
+    stored = sum(f.stat().st_size for f in files)
+    raw = STORED_TOKENS * FULL_KV_BYTES_PER_TOKEN
+    print(f"\n[coded pages] {len(files)} files, {stored / raw:.3f} of the raw float32 KV")
+    assert all(f.read_bytes()[:4] == b"VCKV" for f in files)
+    assert stored < 0.92 * raw  # measured 0.90 (3.6 bytes per float32 element)
+
+    out, expected = reloaded_answer, plain_answers["question"]
+    assert out["output_ids"] == expected["output_ids"]
+    details = out["meta_info"]["cached_tokens_details"]
+    assert details["device"] == 0 and details["host"] == 0
+    assert details["storage"] == STORED_TOKENS, details
+    io = out["store_io"]
+    assert io["read_coded_pages"] >= STORED_TOKENS // PAGE_SIZE
+    assert io.get("read_raw_pages", 0) == 0

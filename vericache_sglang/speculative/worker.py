@@ -82,10 +82,10 @@ from vericache_sglang.speculative.sampling import (
     draft_tokens,
     verify_tokens,
 )
+from vericache_sglang.stores.file import STORE_STATS
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
-from vericache_sglang.tiers.disk import DISK_FAULTS
 from vericache_sglang.tiers.staging import FetchStats, StagingArea
 
 logger = logging.getLogger(__name__)
@@ -298,6 +298,7 @@ class VeriCacheWorker(BaseSpecWorker):
         allocator = self.model_runner.token_to_kv_pool_allocator
         decode = self.fetched["decode"]
         emitted = self.totals.emitted_tokens + self.totals.plain_decode_steps
+        store = STORE_STATS.snapshot()
         return {
             "full_tier": self.placement,
             "device_bytes": self.device_bytes(),
@@ -313,7 +314,8 @@ class VeriCacheWorker(BaseSpecWorker):
             "decode_read_bytes_per_emitted_token": decode.bytes / emitted if emitted else 0.0,
             "decode_fetch_hidden_fraction": decode.hidden_fraction(),
             "totals": dict(vars(self.totals)),
-            "disk_faults": DISK_FAULTS.snapshot(),
+            "disk_faults": store["faults"],
+            "store_io": store["io"],
         }
 
     @property
@@ -780,7 +782,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self._add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
                               plain_decode_steps=len(verified) - rounds))
         if self.metrics is not None:
-            self.metrics.record_disk_faults(DISK_FAULTS.snapshot())
+            self.metrics.record_store(STORE_STATS.snapshot())
         self._publish_sizes()
 
     def settle_round(self, *, row: int, emitted: int, accepted: int) -> None:
