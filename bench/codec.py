@@ -73,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk")
     parser.add_argument("--compressor", default="kivi:bits=4,group=32",
                         help="the compressed pool whose pages are the pool level")
+    parser.add_argument("--coarse", default="4,2", metavar="EARLY,LATE",
+                        help="bits of the coarse level: EARLY for the first quarter of the "
+                        "layers, LATE for the rest (default: %(default)s)")
     parser.add_argument("--tables", nargs="+", default=["channel", "kind"],
                         help="table groupings to compare")
     parser.add_argument("--write-docs", type=Path, default=None,
                         help="markdown file whose codec section gets the table")
     args = parser.parse_args(argv)
+    coarse = tuple(int(b) for b in args.coarse.split(","))
     torch.set_num_threads(1)
     compressor = parse_compressor_spec(args.compressor)
     model, tokenizer = load_model(models.prepare().target)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             mb = k.numel() * 2 * k.element_size() / 1e6
             for tables in args.tables:
                 spec = CodecSpec.for_compressor(compressor, layers, tables=tables,
-                                                chunk_tokens=args.chunk)
+                                                chunk_tokens=args.chunk, coarse=coarse)
                 began = time.perf_counter()
                 streams = encode(k, v, spec, key=b"bench")
                 encode_s = time.perf_counter() - began

@@ -15,6 +15,11 @@ It prints per prompt and config the rounds, drafted/accepted drafts and E, so th
 figures (bench/spec_decode.py) can be checked against an independent implementation of the
 same scheme. Not a test.
 
+`--codec-levels 4,2` also drafts a KIVI config's prompt on that coarser level of its CacheGen
+stream (`vericache_sglang.codec`: 4 bits for the first quarter of the layers, 2 for the rest):
+what a server drafting on a stored prefix's coarse level reads for the prompt (tokens decoded
+since stay at the pool level).
+
     .venv/bin/python -m bench.spec_offline --prompts textwrap.py:2048 --configs kivi:bits=4@16
 """
 
@@ -29,6 +34,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from bench.hf_eval import load_model, prefill
+from vericache_sglang.codec import CodecSpec, coarser
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.prompts import file_prompt
 
@@ -38,8 +44,10 @@ def log(message: str) -> None:
 
 
 @torch.inference_mode()
-def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int) -> dict:
-    """Greedy VeriCache decoding of `new_tokens` tokens (the first from prefill)."""
+def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int,
+             level: tuple[int, ...] | None = None) -> dict:
+    """Greedy VeriCache decoding of `new_tokens` tokens (the first from prefill); with `level`
+    (bits per layer), the prompt's quantized groups are drafted on at that codec level."""
     compressor = parse_compressor_spec(spec)
     window = compressor.score_window() or 1 if compressor.needs_scores else 1
     layers = prefill(model, ids, window=window,
@@ -49,6 +57,9 @@ def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int) -> dict:
         full.update(layer.keys.transpose(0, 1)[None], layer.values.transpose(0, 1)[None], i)
     blocks = [layer.compress(compressor, i) for i, layer in enumerate(layers)]
     del layers
+    # The prompt's groups never change (prefix-stable KIVI): their coarse rows are fixed.
+    coarse = None if level is None else [coarser(block.old, bits).dequantize(block.dtype)
+                                         for block, bits in zip(blocks, level, strict=True)]
     # The first token: the prompt's last logits (re-run the last token over the rest).
     committed = len(ids)
     probe = DynamicCache()
@@ -67,6 +78,9 @@ def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int) -> dict:
         draft_cache = DynamicCache()
         for i, block in enumerate(blocks):
             keys, values = block.dense()
+            if coarse is not None:
+                ck, cv = coarse[i]
+                keys, values = torch.cat([ck, keys[len(ck):]]), torch.cat([cv, values[len(cv):]])
             draft_cache.update(keys.transpose(0, 1)[None].float(),
                                values.transpose(0, 1)[None].float(), i)
         chain = [t0]
@@ -122,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--check-greedy", action="store_true",
                         help="also decode plainly and check the output is identical")
+    parser.add_argument("--codec-levels", nargs="*", default=[], metavar="EARLY,LATE",
+                        help="also draft each KIVI config's prompt on a coarser level of its "
+                        "CacheGen stream: EARLY bits for the first quarter of the layers, "
+                        "LATE for the rest (e.g. 4,2 2,2)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -137,15 +155,25 @@ def main(argv: list[str] | None = None) -> int:
             else None
         for config in args.configs:
             spec, _, k = config.rpartition("@")
-            began = time.monotonic()
-            r = simulate(model, ids, spec, int(k), args.max_new_tokens)
-            same = "" if reference is None else (
-                ", identical to greedy" if r["output"] == reference else ", DIFFERS FROM GREEDY")
-            log(f"{label} {config}: rounds {r['rounds']}, drafted "
-                f"{r['drafted']}, accepted {r['accepted']} "
-                f"({r['accepted'] / max(r['drafted'], 1):.1%}), E {r['E']:.2f}, "
-                f"full-k rounds by accepted {r['histogram']}{same} "
-                f"({time.monotonic() - began:.0f} s)")
+            levels = [None]
+            for pair in args.codec_levels:
+                early, late = (int(b) for b in pair.split(","))
+                levels += CodecSpec.for_compressor(parse_compressor_spec(spec),
+                                                   model.config.num_hidden_layers,
+                                                   coarse=(early, late)).coarse
+            for level in levels:
+                began = time.monotonic()
+                r = simulate(model, ids, spec, int(k), args.max_new_tokens, level)
+                same = "" if reference is None else (
+                    ", identical to greedy" if r["output"] == reference
+                    else ", DIFFERS FROM GREEDY")
+                name = config if level is None else (
+                    f"{config} drafting the prompt at codec level {sorted(set(level))} bits")
+                log(f"{name}: rounds {r['rounds']}, drafted "
+                    f"{r['drafted']}, accepted {r['accepted']} "
+                    f"({r['accepted'] / max(r['drafted'], 1):.1%}), E {r['E']:.2f}, "
+                    f"full-k rounds by accepted {r['histogram']}{same} "
+                    f"({time.monotonic() - began:.0f} s)")
     return 0
 
 

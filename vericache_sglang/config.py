@@ -330,3 +330,14 @@ def get_config(server_args: Any) -> VeriCacheConfig:
 def attach_config(server_args: Any, config: VeriCacheConfig) -> None:
     """Record `config` on a server-args record (see `CONFIG_ATTR`)."""
     setattr(server_args, CONFIG_ATTR, config)
+
+
+def served_config() -> VeriCacheConfig:
+    """The VeriCache settings of the server this process runs (SGLang publishes its arguments
+    in each scheduler process); the defaults (VeriCache off) in any other process."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        return get_config(get_server_args())
+    except ValueError:  # "Global server args is not set yet!": not a server process
+        return VeriCacheConfig()

@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from vericache_sglang import startup
+from vericache_sglang import startup, stores
 from vericache_sglang.config import (
     VeriCacheConfig,
     VeriCacheConfigError,
@@ -30,7 +30,6 @@ from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
-from vericache_sglang.stores import file as file_store
 from vericache_sglang.tiers import budget, disk
 
 logger = logging.getLogger(__name__)
@@ -131,7 +130,7 @@ def register() -> None:
         cpu_hicache.register()
         lazy_kv.register()
     register_spec()
-    file_store.register()
+    stores.register()
     meta_info.register()
     HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)

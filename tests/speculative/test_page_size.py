@@ -11,12 +11,13 @@ for every free path of the paged allocator). Here: real prompts in one batch, on
 
 Storage: the VeriCache server (A) keeps its full KV on the disk tier (`--vericache-full-tier
 disk`, SGLang's hierarchical cache over its `file` backend), which stores every page as one
-CacheGen stream (`stores/file.py`). A answers a 3,200-token prompt and stops once its 50 pages
-are files. Server B is started afterwards the way a user adds storage: `--enable-hierarchical-
-cache --hicache-storage-backend file` and SGLang's own extra config naming A's directory, every
-other HiCache and VeriCache memory setting at its default (one host pool: VeriCache's host tier
-holds the full KV, SGLang's host memory only stages pages). B answers the prompt plus a
-question with the prefix loaded from A's files, as plain SGLang answers it from scratch.
+CacheGen stream (`stores/file.py`). A stops once the 31 whole pages of the reused request's
+argparse prefix (1,984 tokens) are files. Server B is started afterwards the way a user adds
+storage: `--enable-hierarchical-cache --hicache-storage-backend file` and SGLang's own extra
+config naming A's directory, every other HiCache and VeriCache memory setting at its default
+(one host pool: VeriCache's host tier holds the full KV, SGLang's host memory only stages
+pages). B answers the reused request with its prefix loaded from A's files, as plain SGLang
+answers it. (A 3,200-token stored prefix is tests/stores/test_mooncake_vericache.py's.)
 
 Plain SGLang answers first and is stopped before the VeriCache servers start, so one server
 of this module is up at a time.
@@ -33,7 +34,6 @@ from sglang.srt.mem_cache.utils import get_hash_str
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
 from tests.speculative.identity import PROMPTS, payload, send_all, stats
-from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -55,24 +55,21 @@ NEW_TOKENS = 40
 REUSED = 2000
 """Tokens of argparse_2300 the second request repeats: the tree has cached 1,984 of them
 (31 whole pages), the rest and its own suffix are prefilled."""
-STORED_TOKENS = 3200
-"""The stored prefix: 50 pages."""
-STORED_NEW_TOKENS = 12
-"""Enough to draft over the reloaded prefix (CI time: the prefills are what is tested)."""
+SUFFIX = 60
+STORED_TOKENS = REUSED // PAGE_SIZE * PAGE_SIZE
+"""The stored prefix B reloads: the 31 whole pages of argparse the batch wrote through (A did
+not write the reused request's 32nd page, of prefix and suffix, within minutes in a run)."""
 
 
 def _payloads(tokenizer) -> dict:
-    """The batch; a request over the first `REUSED` tokens of its long prompt followed by
-    another suffix (sent after the batch); the prompt to store, and a question over it."""
+    """The batch, and a request over the first `REUSED` tokens of its long prompt followed by
+    another suffix (sent after the batch)."""
     ids = {name: PROMPTS[name](tokenizer) for name in NAMES}
-    suffix = PROMPTS["bisect_300"](tokenizer)[:60]
-    stored = stdlib_ids(tokenizer, "inspect", STORED_TOKENS, start=100)
+    suffix = PROMPTS["bisect_300"](tokenizer)[:SUFFIX]
     return {
         "batch": [payload(ids[name], name, max_new_tokens=NEW_TOKENS) for name in NAMES],
         "reuse": payload(ids["argparse_2300"][:REUSED] + suffix, "code",
                          max_new_tokens=NEW_TOKENS),
-        "store": payload(stored, "code", max_new_tokens=STORED_NEW_TOKENS),
-        "question": payload(stored + suffix, "code", max_new_tokens=STORED_NEW_TOKENS),
     }
 
 
@@ -85,14 +82,13 @@ def paged_requests(tokenizer) -> dict:
 def plain_answers(demo_model: Path, paged_requests) -> dict:
     with ServerProcess(demo_model, PAGED_ARGS) as server:
         return {"batch": send_all(server, paged_requests["batch"]),
-                **{name: server.generate(paged_requests[name])
-                   for name in ("reuse", "store", "question")}}
+                "reuse": server.generate(paged_requests["reuse"])}
 
 
 def _page_files(directory: Path, request: dict) -> list[Path]:
-    """The files of the request's whole pages that exist (SGLang's chained page hashes)."""
+    """The files of the stored prefix's pages that exist (SGLang's chained page hashes)."""
     keys = get_hash_str(request["input_ids"], None, PAGE_SIZE)
-    return [p for key in keys[:len(request["input_ids"]) // PAGE_SIZE]
+    return [p for key in keys[:STORED_TOKENS // PAGE_SIZE]
             for p in directory.glob(f"{key}_*.bin")]
 
 
@@ -109,10 +105,9 @@ def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir
     with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
                        ) as server:
         answers = {"batch": send_all(server, paged_requests["batch"]),
-                   **{name: server.generate(paged_requests[name])
-                      for name in ("reuse", "store")}}
+                   "reuse": server.generate(paged_requests["reuse"])}
         deadline = time.monotonic() + 300
-        while (len(files := _page_files(store_dir, paged_requests["store"]))
+        while (len(files := _page_files(store_dir, paged_requests["reuse"]))
                < STORED_TOKENS // PAGE_SIZE and time.monotonic() < deadline):
             time.sleep(1)
         return {**answers, "info": server.server_info(), "files": files}
@@ -120,7 +115,7 @@ def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir
 
 @pytest.fixture(scope="module")
 def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir) -> dict:
-    """Server B's answer to the question over the prefix A stored (A has stopped)."""
+    """Server B's answer to the reused request, its prefix stored by A (A has stopped)."""
     del vericache_answers
     with ServerProcess(demo_model, [
         *PAGED_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
@@ -129,7 +124,7 @@ def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_d
         json.dumps({"file_storage_path": str(store_dir)}),
         "--hicache-storage-prefetch-policy", "wait_complete",
     ]) as server:
-        out = server.generate(paged_requests["question"])
+        out = server.generate(paged_requests["reuse"])
         out["store_io"] = server.server_info()["internal_states"][0]["vericache_state"][
             "store_io"]
         return out
@@ -164,7 +159,6 @@ def test_a_cached_prefix_with_another_suffix_is_identical(vericache_answers, pla
 
 def test_a_prefix_stored_in_coded_pages_is_reloaded_by_the_next_server(
         vericache_answers, reloaded_answer, plain_answers):
-    assert vericache_answers["store"]["output_ids"] == plain_answers["store"]["output_ids"]
     files = vericache_answers["files"]
     assert len(files) == STORED_TOKENS // PAGE_SIZE
     stored = sum(f.stat().st_size for f in files)
@@ -173,11 +167,11 @@ def test_a_prefix_stored_in_coded_pages_is_reloaded_by_the_next_server(
     assert all(f.read_bytes()[:4] == b"VCKV" for f in files)
     assert stored < 0.92 * raw  # measured 0.90 (3.6 bytes per float32 element)
 
-    out, expected = reloaded_answer, plain_answers["question"]
+    out, expected = reloaded_answer, plain_answers["reuse"]
     assert out["output_ids"] == expected["output_ids"]
     details = out["meta_info"]["cached_tokens_details"]
     assert details["device"] == 0 and details["host"] == 0
-    assert details["storage"] == STORED_TOKENS, details
+    assert details["storage"] >= STORED_TOKENS, details
     io = out["store_io"]
     assert io["read_coded_pages"] >= STORED_TOKENS // PAGE_SIZE
     assert io.get("read_raw_pages", 0) == 0

@@ -16,9 +16,11 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
+from vericache_sglang import stores
 from vericache_sglang.config import VeriCacheConfig, attach_config
 from vericache_sglang.stores import file as file_store
-from vericache_sglang.stores.file import DIGEST_BYTES, STORE_STATS, VeriCacheFileStorage
+from vericache_sglang.stores.file import DIGEST_BYTES, VeriCacheFileStorage
+from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.tiers import disk
 
 PAGE = 2 * 30 * 3 * 64  # one token of the demo model's K and V, every layer
@@ -153,7 +155,7 @@ def test_a_users_file_backend_under_vericache_keeps_its_arguments_in_one_host_po
 def test_sglangs_file_backend_is_vericaches_only_on_a_vericache_server(tmp_path):
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    file_store.register()
+    stores.register()
     entry = StorageBackendFactory._registry["file"]
     assert (entry["module_path"], entry["class_name"]) == (file_store.__name__, "FileBackend")
     # This process serves nothing: the factory's class builds SGLang's own backend.

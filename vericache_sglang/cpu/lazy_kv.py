@@ -23,7 +23,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from torch.overrides import TorchFunctionMode
 
-from vericache_sglang.config import get_config
+from vericache_sglang.config import served_config
 
 TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 MIN_BYTES = 1 << 24
@@ -52,19 +52,10 @@ class _LazyZeros(TorchFunctionMode):
 
 
 def _lazily_zeroed(original, pool: Any, *args: Any, **kwargs: Any):
-    if str(pool.device) != "cpu" or not _vericache_server():
+    if str(pool.device) != "cpu" or not served_config().enable_vericache:
         return original(pool, *args, **kwargs)
     with _LazyZeros():
         return original(pool, *args, **kwargs)
-
-
-def _vericache_server() -> bool:
-    from sglang.srt.runtime_context import get_server_args
-
-    try:
-        return get_config(get_server_args()).enable_vericache
-    except ValueError:  # "Global server args is not set yet!": not a server process
-        return False
 
 
 def register() -> None:

@@ -82,7 +82,7 @@ from vericache_sglang.speculative.sampling import (
     draft_tokens,
     verify_tokens,
 )
-from vericache_sglang.stores.file import STORE_STATS
+from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages

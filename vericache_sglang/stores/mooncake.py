@@ -1,0 +1,128 @@
+"""SGLang's `mooncake` storage backend as VeriCache stores pages: one CacheGen stream per page.
+
+The plugin registers `MooncakeBackend` under SGLang's own name `mooncake`, so
+`--hicache-storage-backend mooncake` beside `--enable-vericache` gets it with SGLang's own flags
+and extra config; a server without VeriCache gets SGLang's `MooncakeStore` itself.
+
+With pages of a multiple of the codec group (`--page-size 64`) each page is stored as one object,
+`<key>_<rank>_c`: the page's CacheGen stream (`pages.PageCoder`: the compressed pool's levels,
+then the exact K/V, digests keyed by the object's key), about 0.9 of the float32 bytes (0.7 of
+bf16) instead of SGLang's two raw objects `<key>_<rank>_k` and `_v`. A plain SGLang server on
+the same store finds no `_k` / `_v` objects for those pages and prefills them: it skips them
+cleanly, and VeriCache skips the plain server's raw pages the same way. Other page sizes are
+stored as SGLang stores them (raw, zero-copy).
+
+Streams go through the store's byte `put` / `get` (the coded object's size is not the page's,
+so SGLang's zero-copy reads into registered host pages do not apply). A page whose object is
+missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
+there and the rest is prefilled. A put the store refuses (full: -200) is skipped and counted as
+a write error; serving goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+from vericache_sglang.codec import StreamError
+
+from .pages import STORE_STATS, PageCoder, fault_kind, vericache_compressor
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeBackend(MooncakeStore):
+    """What SGLang's factory builds for `mooncake`: VeriCache's store on a VeriCache server,
+    SGLang's `MooncakeStore` itself on any other."""
+
+    def __new__(cls, storage_config: HiCacheStorageConfig = None, mem_pool: Any = None):
+        compressor = vericache_compressor()
+        if compressor is None:
+            return MooncakeStore(storage_config, mem_pool)
+        return VeriCacheMooncakeStore(storage_config, mem_pool, compressor=compressor)
+
+
+class VeriCacheMooncakeStore(MooncakeStore):
+    """SGLang's Mooncake backend storing each page as one coded object."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig = None, mem_pool: Any = None,
+                 compressor: str = "kivi:bits=4") -> None:
+        super().__init__(storage_config, mem_pool)
+        self.compressor = compressor
+        self._coder: PageCoder | None = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.is_mla_backend or self.should_split_heads:
+            return
+        self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
+        logger.info("VeriCache Mooncake store: pages of %d token(s) stored %s",
+                    mem_pool_host.page_size, "as CacheGen streams" if self._coder else
+                    "raw, as SGLang stores them (--page-size 64 codes them)")
+
+    def _coded_keys(self, keys: list[str]) -> list[str]:
+        return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        if self._coder is None:
+            return super().batch_exists(keys, extra_info)
+        found = self._batch_exist(self._coded_keys(keys))
+        return next((i for i, f in enumerate(found) if f != 1), len(keys))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if self._coder is None:
+            return super().batch_set_v1(keys, host_indices, extra_info)
+        page = self.mem_pool_host.page_size
+        names = self._coded_keys(keys)
+        stored = self._batch_exist(names)
+        results = []
+        for i, name in enumerate(names):
+            if stored[i] == 1:
+                results.append(True)
+                continue
+            began = time.perf_counter()
+            flat = self.mem_pool_host.get_data_page(host_indices[i * page].item(), flat=True)
+            blob = self._coder.encode(flat, name)
+            seconds = time.perf_counter() - began
+            code = self.store.put(name, blob)
+            if code != 0:
+                STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
+                results.append(False)
+                continue
+            STORE_STATS.add("written", "coded", len(blob), flat.numel() * flat.element_size(),
+                            seconds)
+            results.append(True)
+        return results
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if self._coder is None:
+            return super().batch_get_v1(keys, host_indices, extra_info)
+        page = self.mem_pool_host.page_size
+        results = [False] * len(keys)
+        for i, name in enumerate(self._coded_keys(keys)):
+            began = time.perf_counter()
+            blob = self.store.get(name)
+            if not blob:
+                STORE_STATS.record("missing", name, "the store has no such object")
+                break
+            target = self.mem_pool_host.get_dummy_flat_data_page()
+            try:
+                self._coder.decode(memoryview(blob), name, target)
+            except StreamError as e:
+                STORE_STATS.record(fault_kind(e), name, str(e))
+                self.store.remove(name)  # written again by a later backup
+                break
+            index = host_indices[i * page].item()
+            self.mem_pool_host.set_from_flat_data_page(index, target)
+            STORE_STATS.add("read", "coded", len(blob), target.numel() * target.element_size(),
+                            time.perf_counter() - began)
+            results[i] = True
+        return results
+

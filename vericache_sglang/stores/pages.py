@@ -1,0 +1,125 @@
+"""What every VeriCache store shares: the coded page form and the storage counters.
+
+`PageCoder` turns a host pool's flat page (SGLang's `get_data_page` layout) into one CacheGen
+stream (`vericache_sglang.codec`) and back; `STORE_STATS` counts, per process, pages, bytes and
+codec time by direction and form, and faults by kind (`/metrics`, `/server_info`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+
+from vericache_sglang.codec import CodecSpec, StreamError, decode_chunk, encode_chunk
+from vericache_sglang.codec.exact import FORMATS
+from vericache_sglang.compress.kivi import Kivi
+from vericache_sglang.compress.quant import KiviQuantizer
+from vericache_sglang.compress.registry import parse_compressor_spec
+from vericache_sglang.config import served_config
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("missing", "short", "corrupt", "read_error", "write_error")
+CODED_LAYOUTS = ("layer_first", "page_first")
+"""Host pool layouts whose flat page the coded form reads as [2, L, page, H, D] (or with page
+and layer swapped)."""
+
+
+class StoreStats:
+    """This process's storage counts: faults by kind (each logged the first time only), and
+    pages, bytes and codec seconds by direction and form."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.faults: Counter[str] = Counter()
+        self.io: Counter[str] = Counter()
+
+    def record(self, kind: str, key: str, detail: str) -> None:
+        with self._lock:
+            first = self.faults[kind] == 0
+            self.faults[kind] += 1
+        if first:
+            logger.warning("VeriCache store: %s page %s (%s); that prefix is recomputed "
+                           "from here on (logged once per kind, counted in "
+                           "vericache:disk_faults)", kind, key[:16], detail)
+
+    def add(self, direction: str, form: str, stored: int, kv: int, seconds: float) -> None:
+        """One page `direction` ('written' or 'read') in `form`: `stored` bytes in the store
+        for `kv` bytes of KV in the host pool."""
+        with self._lock:
+            self.io[f"{direction}_{form}_pages"] += 1
+            self.io[f"{direction}_{form}_bytes"] += stored
+            self.io[f"{direction}_kv_bytes"] += kv
+            self.io[f"{direction}_codec_seconds"] += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"faults": {kind: self.faults[kind] for kind in FAULT_KINDS},
+                    "io": dict(self.io)}
+
+
+STORE_STATS = StoreStats()
+
+
+class PageCoder:
+    """The coded form of a host pool's pages: flat page (host layout) <-> codec stream."""
+
+    def __init__(self, host_pool: Any, spec: CodecSpec) -> None:
+        self.spec = spec
+        self.dtype = host_pool.dtype
+        self.page_first = host_pool.layout == "page_first"
+        rows = (host_pool.page_size, host_pool.layer_num)
+        self.shape = (2, *(rows if self.page_first else rows[::-1]),
+                      host_pool.head_num, host_pool.head_dim)
+
+    @classmethod
+    def for_pool(cls, host_pool: Any, compressor_spec: str) -> PageCoder | None:
+        """The coder for `host_pool`'s pages, or None where they are stored raw. The stream's
+        lossy levels are the compressor's pool pages when it is a prefix-stable KIVI
+        quantizer; otherwise (token droppers, mixed windows) 4-bit KIVI bins serve only as the
+        exact part's predictor."""
+        if (getattr(host_pool, "layout", None) not in CODED_LAYOUTS
+                or not hasattr(host_pool, "head_num")
+                or str(host_pool.dtype).removeprefix("torch.") not in FORMATS):
+            return None
+        compressor = parse_compressor_spec(compressor_spec)
+        if not (isinstance(compressor, KiviQuantizer) and compressor.prefix_stable):
+            compressor = Kivi(bits=4)
+        spec = CodecSpec.for_compressor(compressor, host_pool.layer_num)
+        if host_pool.page_size % spec.group:
+            return None
+        return cls(host_pool, spec)
+
+    def _kv(self, flat: torch.Tensor) -> torch.Tensor:
+        """[2, L, page, H, D] view of a flat page."""
+        kv = flat.view(self.dtype).reshape(self.shape)
+        return kv.transpose(1, 2) if self.page_first else kv
+
+    def encode(self, flat: torch.Tensor, key: str) -> bytes:
+        kv = self._kv(flat)
+        return encode_chunk(kv[0], kv[1], self.spec, key.encode())
+
+    def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor) -> None:
+        """Decode the exact KV of `blob` into the flat page `target`."""
+        chunk = decode_chunk(blob, key=key.encode())
+        kv = self._kv(target)
+        if chunk.keys.shape != kv.shape[1:] or chunk.keys.dtype != self.dtype:
+            raise StreamError(f"the stream holds {tuple(chunk.keys.shape)} {chunk.keys.dtype}, "
+                              f"the page is {tuple(kv.shape[1:])} {self.dtype}")
+        kv[0].copy_(chunk.keys)
+        kv[1].copy_(chunk.values)
+
+
+def fault_kind(error: StreamError) -> str:
+    """The fault a stream that does not decode counts as."""
+    return "short" if "truncated" in str(error) else "corrupt"
+
+
+def vericache_compressor() -> str | None:
+    """The compressor spec of the server this process runs, or None without VeriCache."""
+    config = served_config()
+    return config.vericache_compressor if config.enable_vericache else None
