@@ -144,6 +144,20 @@ class ServerProcess:
         self._signal_group(pgid, signal.SIGKILL)
         self.proc.wait()
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's process group (launcher, scheduler,
+        detokenizer); pages two processes share are counted in each."""
+        import psutil
+
+        total = 0
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) == self.proc.pid:
+                    total += proc.memory_info().rss
+            except (psutil.Error, ProcessLookupError):
+                continue
+        return total
+
     def _group_alive(self) -> bool:
         try:
             os.killpg(self.proc.pid, 0)

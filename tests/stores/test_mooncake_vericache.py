@@ -1,34 +1,47 @@
-"""VeriCache stores coded pages in the session's Mooncake store and a later server reloads them;
-a plain SGLang server on the same store skips them cleanly and computes the same output.
+"""VeriCache stores coded pages in a Mooncake store and a later server reloads them; a plain
+SGLang server on the same store skips them cleanly; a store that dies or is down loses nothing.
 
-Pages of 64 tokens (`--page-size 64`, what HiCache storage deployments use). Server A
-(VeriCache, `--hicache-storage-backend mooncake`) answers a 3,200-token prompt and stops once
-the store holds its 50 pages, one coded object each (`stores/mooncake.py`). Server B (the same
-flags), started afterwards, answers the prompt plus a question with all 3,200 tokens loaded from
-those objects. A plain SGLang server with the same arguments but VeriCache then asks the same
-request: SGLang's raw K and V objects of those pages are not in the store, so it finds no
-storage hit and prefills everything, and its output is the reference B must equal. One server
-is up at a time.
+Pages of 64 tokens (`--page-size 64`, what HiCache storage deployments use), a store of this
+module's own (it is killed here). Server A (VeriCache, `--hicache-storage-backend mooncake`)
+answers a 3,200-token prompt and stops once the store holds its 50 pages, one coded object each
+(`stores/mooncake.py`). A plain SGLang server with the same arguments but VeriCache then asks
+the prompt plus a question, and a short prompt: SGLang's raw K and V objects of those pages are
+not in the store, so it finds no storage hit and prefills everything; its outputs are the
+references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
+loaded from A's objects; then the store is killed while B loads them again, and B still answers
+(the question, then the short prompt) with the references. Server C starts while the store is
+down, answers the short prompt, and reaches the store once it is back (retrying every 2 s,
+`VERICACHE_STORE_RETRY_SECONDS`), under SGLang's own fault injector
+(`SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`): every answer equals the reference. At most two
+servers are up at once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from transformers import AutoTokenizer
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
-from vericache_sglang.stores.mooncake_service import MooncakeService
+from vericache_sglang.stores.mooncake_service import (
+    MooncakeService,
+    mooncake_unavailable_reason,
+)
+from vericache_sglang.stores.reconnect import RETRY_ENV
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 PAGE_SIZE = 64
 PROMPT_TOKENS = 3200
 PAGES = PROMPT_TOKENS // PAGE_SIZE
+SHORT_TOKENS = 640
 DEVICE_TOKENS = 8192
 STORE_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
               "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
@@ -37,11 +50,11 @@ VERICACHE_ARGS = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4",
                   "--vericache-draft-length", "16"]
 
 
-def _server(model: Path, store: MooncakeService, vericache: bool) -> ServerProcess:
-    # Keys tagged with this module's name: no other test's pages can hit.
-    storage = store.server_args(extra_backend_tag=__name__.rpartition(".")[2])
-    return ServerProcess(model, [*STORE_ARGS, *storage, *(VERICACHE_ARGS if vericache else [])],
-                         max_total_tokens=DEVICE_TOKENS, env=store.env())
+def _server(model: Path, store: MooncakeService, vericache: bool,
+            env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess(model, [*STORE_ARGS, *store.server_args(),
+                                 *(VERICACHE_ARGS if vericache else [])],
+                         max_total_tokens=DEVICE_TOKENS, env={**store.env(), **(env or {})})
 
 
 def _request(ids: list[int]) -> dict:
@@ -49,47 +62,145 @@ def _request(ids: list[int]) -> dict:
                                                   "ignore_eos": True}}
 
 
-def _vericache_state(server: ServerProcess) -> dict:
+def _state(server: ServerProcess) -> dict:
     return server.server_info()["internal_states"][0]["vericache_state"]
 
 
-def test_coded_pages_are_reloaded_by_the_next_server_and_skipped_by_plain_sglang(
-        mooncake_store, demo_model):
+def _storage_hit(out: dict) -> int:
+    return (out["meta_info"].get("cached_tokens_details") or {}).get("storage", 0)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[MooncakeService]:
+    reason = mooncake_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with MooncakeService(segment_size=512 << 20) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_model) -> dict[str, list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
     prompt = stdlib_ids(tokenizer, "inspect", PROMPT_TOKENS, start=100)
-    question = prompt + stdlib_ids(tokenizer, "bisect", 60, start=300)
-    store = mooncake_store
+    return {"prompt": prompt,
+            "question": prompt + stdlib_ids(tokenizer, "bisect", 60, start=300),
+            "short": stdlib_ids(tokenizer, "heapq", SHORT_TOKENS, start=50)}
 
+
+@pytest.fixture(scope="module")
+def stored(store, demo_model, prompts) -> dict:
+    """Server A's answer to the prompt, what it wrote, and the store's objects and bytes."""
     with _server(demo_model, store, vericache=True) as a:
         keys_before = store.wait_keys(0)
         bytes_before = store.stored_bytes()
-        first = a.generate(_request(prompt))
-        assert first["meta_info"]["cached_tokens"] == 0
+        first = a.generate(_request(prompts["prompt"]))
         # One object per page, written behind the answer: all must be there before A stops.
         keys = store.wait_keys(keys_before + PAGES) - keys_before
-        written = _vericache_state(a)["store_io"]
-    stored = store.stored_bytes() - bytes_before
-    print(f"\n[mooncake coded] {keys} objects, {stored / (PAGES * PAGE_SIZE):.0f} B per token "
-          f"({stored / (PAGES * PAGE_SIZE * FULL_KV_BYTES_PER_TOKEN):.3f} of raw float32)")
-    assert keys == PAGES
-    assert written["written_coded_pages"] >= PAGES
-    assert stored < 0.95 * PAGES * PAGE_SIZE * FULL_KV_BYTES_PER_TOKEN
+        written = _state(a)["store_io"]
+    return {"first": first, "keys": keys, "written": written,
+            "bytes": store.stored_bytes() - bytes_before}
 
-    with _server(demo_model, store, vericache=True) as b:
-        t = time.monotonic()
-        reloaded = b.generate(_request(question))
-        reload_s = time.monotonic() - t
-        details = reloaded["meta_info"]["cached_tokens_details"]
-        assert details["device"] == 0 and details["host"] == 0
-        assert details["storage"] == PROMPT_TOKENS, details
-        assert details["storage_backend"] == "VeriCacheMooncakeStore"
-        assert _vericache_state(b)["store_io"]["read_coded_pages"] >= PAGES
 
+@pytest.fixture(scope="module")
+def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
+    """Plain SGLang on the same store (after A): the question and the short prompt."""
     with _server(demo_model, store, vericache=False) as plain:
-        t = time.monotonic()
-        expected = plain.generate(_request(question))
-        plain_s = time.monotonic() - t
-        assert (expected["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) == 0
-        assert expected["meta_info"]["cached_tokens"] == 0
-    print(f"[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in {plain_s:.1f} s")
-    assert reloaded["output_ids"] == expected["output_ids"]
+        began = time.monotonic()
+        out = {"question": plain.generate(_request(prompts["question"]))}
+        out["question_s"] = time.monotonic() - began
+        out["short"] = plain.generate(_request(prompts["short"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server_b(reference, store, demo_model) -> Iterator[ServerProcess]:
+    with _server(demo_model, store, vericache=True) as b:
+        yield b
+
+
+def test_each_page_is_one_coded_object(stored):
+    raw = PAGES * PAGE_SIZE * FULL_KV_BYTES_PER_TOKEN
+    print(f"\n[mooncake coded] {stored['keys']} objects, "
+          f"{stored['bytes'] / (PAGES * PAGE_SIZE):.0f} B per token "
+          f"({stored['bytes'] / raw:.3f} of raw float32)")
+    assert stored["first"]["meta_info"]["cached_tokens"] == 0
+    assert stored["keys"] == PAGES
+    assert stored["written"]["written_coded_pages"] >= PAGES
+    assert stored["bytes"] < 0.95 * raw
+
+
+def test_plain_sglang_skips_the_coded_pages(reference):
+    for name in ("question", "short"):
+        assert _storage_hit(reference[name]) == 0
+        assert reference[name]["meta_info"]["cached_tokens"] == 0
+
+
+def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
+    began = time.monotonic()
+    reloaded = server_b.generate(_request(prompts["question"]))
+    reload_s = time.monotonic() - began
+    details = reloaded["meta_info"]["cached_tokens_details"]
+    assert details["device"] == 0 and details["host"] == 0
+    assert details["storage"] == PROMPT_TOKENS, details
+    assert details["storage_backend"] == "VeriCacheMooncakeStore"
+    assert _state(server_b)["store_io"]["read_coded_pages"] >= PAGES
+    print(f"\n[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in "
+          f"{reference['question_s']:.1f} s")
+    assert reloaded["output_ids"] == reference["question"]["output_ids"]
+
+
+def test_a_store_dying_while_pages_load_loses_nothing(server_b, store, reference, prompts):
+    """The store is killed once B has loaded a few pages of the question's prefix again: the
+    prefix is computed from the first page it could not load, and B keeps serving."""
+    server_b.flush_cache()
+    before = _state(server_b)
+    answer: dict = {}
+    asking = threading.Thread(target=lambda: answer.update(
+        server_b.generate(_request(prompts["question"]))))
+    asking.start()
+    deadline = time.monotonic() + 120
+    while (_state(server_b)["store_io"]["read_coded_pages"]
+           < before["store_io"]["read_coded_pages"] + 5 and time.monotonic() < deadline):
+        time.sleep(0.2)
+    store.kill()
+    asking.join(timeout=600)
+    hit = _storage_hit(answer)
+    print(f"\n[mooncake killed] {hit} tokens loaded before the store died")
+    assert PAGE_SIZE * 5 <= hit < PROMPT_TOKENS
+    assert answer["output_ids"] == reference["question"]["output_ids"]
+    # A prompt the dead store has never seen: the lookup and the writes fail, counted.
+    short = server_b.generate(_request(prompts["short"]))
+    assert short["output_ids"] == reference["short"]["output_ids"]
+    after = _state(server_b)["disk_faults"]
+    assert after["missing"] + after["read_error"] > (before["disk_faults"]["missing"]
+                                                     + before["disk_faults"]["read_error"])
+    assert requests.get(f"{server_b.url}/health", timeout=30).status_code == 200
+
+
+def test_a_store_down_at_startup_is_reached_once_it_is_back(store, reference, prompts,
+                                                              demo_model):
+    """C starts while the store is down (killed above) and serves; once the store is back,
+    C writes to it and reads from it, with SGLang's injector failing a third of the calls."""
+    if store.alive():
+        store.kill()
+    env = {RETRY_ENV: "2", "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"}
+    with _server(demo_model, store, vericache=True, env=env) as c:
+        down = c.generate(_request(prompts["short"]))
+        assert down["output_ids"] == reference["short"]["output_ids"]
+        assert _storage_hit(down) == 0
+        assert _state(c)["disk_faults"]["unavailable"] > 0
+        store.start()
+        time.sleep(3)
+        # Written through to the store once C reaches it (a page an injected failure kept
+        # out is written again by the next request computing it).
+        for _ in range(4):
+            c.flush_cache()
+            out = c.generate(_request(prompts["short"]))
+            assert out["output_ids"] == reference["short"]["output_ids"]
+            if _state(c)["store_io"].get("written_coded_pages", 0) >= SHORT_TOKENS // PAGE_SIZE:
+                break
+        io = _state(c)["store_io"]
+        print(f"\n[mooncake back] {io}")
+        assert io.get("written_coded_pages", 0) > 0
+        assert requests.get(f"{c.url}/health", timeout=30).status_code == 200

@@ -16,12 +16,16 @@ Streams go through the store's byte `put` / `get` (the coded object's size is no
 so SGLang's zero-copy reads into registered host pages do not apply). A page whose object is
 missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
 there and the rest is prefilled. A put the store refuses (full: -200) is skipped and counted as
-a write error; serving goes on.
+a write error; serving goes on. A store that dies while serving makes lookups fail (counted
+read errors: the prefix is computed) and writes fail (counted, the rest of the batch skipped);
+one that cannot be reached at startup is retried in the background (`reconnect.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -32,8 +36,30 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 from vericache_sglang.codec import StreamError
 
 from .pages import STORE_STATS, PageCoder, fault_kind, vericache_compressor
+from .reconnect import build_or_reconnect
 
 logger = logging.getLogger(__name__)
+
+FULL = -200
+"""Mooncake's put code for a store without room: a later page may fit once the master
+evicts. Other codes (-800: the segment's holder is gone, -900: the master is) mean the store
+cannot be reached, and the rest of the batch is not tried."""
+
+
+def master_unreachable(storage_config: HiCacheStorageConfig | None) -> str | None:
+    """None when the Mooncake master named in SGLang's extra config (or `MOONCAKE_MASTER`)
+    accepts a TCP connection within 2 s, else why not; None too when no address is given
+    there (the backend finds its own, e.g. from a config file)."""
+    extra = (storage_config.extra_config if storage_config else None) or {}
+    address = extra.get("master_server_address") or os.environ.get("MOONCAKE_MASTER")
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError) as error:
+        return f"master {address}: {error}"
+    return None
 
 
 class MooncakeBackend(MooncakeStore):
@@ -44,7 +70,10 @@ class MooncakeBackend(MooncakeStore):
         compressor = vericache_compressor()
         if compressor is None:
             return MooncakeStore(storage_config, mem_pool)
-        return VeriCacheMooncakeStore(storage_config, mem_pool, compressor=compressor)
+        return build_or_reconnect(
+            "mooncake",
+            lambda: VeriCacheMooncakeStore(storage_config, mem_pool, compressor=compressor),
+            lambda: master_unreachable(storage_config))
 
 
 class VeriCacheMooncakeStore(MooncakeStore):
@@ -71,8 +100,12 @@ class VeriCacheMooncakeStore(MooncakeStore):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         if self._coder is None:
             return super().batch_exists(keys, extra_info)
-        found = self._batch_exist(self._coded_keys(keys))
-        return next((i for i, f in enumerate(found) if f != 1), len(keys))
+        names = self._coded_keys(keys)
+        found = self._batch_exist(names)
+        hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
+        if hits < len(keys) and found[hits] < 0:  # an error code: the store is unreachable
+            STORE_STATS.record("read_error", names[hits], f"lookup failed ({found[hits]})")
+        return hits
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
@@ -94,6 +127,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
             if code != 0:
                 STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
                 results.append(False)
+                if code != FULL:  # unreachable: the rest of the batch would wait just as long
+                    results += [False] * (len(names) - len(results))
+                    break
                 continue
             STORE_STATS.add("written", "coded", len(blob), flat.numel() * flat.element_size(),
                             seconds)

@@ -23,7 +23,7 @@ from vericache_sglang.config import served_config
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("missing", "short", "corrupt", "read_error", "write_error")
+FAULT_KINDS = ("missing", "short", "corrupt", "read_error", "write_error", "unavailable")
 CODED_LAYOUTS = ("layer_first", "page_first")
 """Host pool layouts whose flat page the coded form reads as [2, L, page, H, D] (or with page
 and layer swapped)."""

@@ -1,0 +1,87 @@
+"""Where the full KV should live by default: `--vericache-full-tier host` against `device`.
+
+Each server is started with every memory setting at its default (the demo model in float32, no
+`--max-total-tokens`: SGLang sizes its KV pool from the memory it finds), as a user's first
+launch is. Per server: resident memory of its process group idle after startup and after the
+requests, and decode speed on held-out code (a 3,000-token stdlib source cut before a
+definition, 128 greedy tokens, the first-token time subtracted as bench/multilevel.py does) at
+batch 1 and batch 4, one level and with the n-gram drafter, as ratios to plain SGLang measured
+in the same run. Every output is compared with plain SGLang's.
+
+    .venv/bin/python -m bench.placement [--write-docs docs/memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.docs_section import replace_section
+from bench.multilevel import MODULES, _before_last_definition, _measure
+from vericache_sglang import models
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess
+
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0"]
+VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]
+SERVERS = {
+    "plain SGLang": [],
+    **{f"VeriCache {tier}, {level}": [*VERICACHE, "--vericache-full-tier", tier, *drafter]
+       for tier in ("host", "device")
+       for level, drafter in (("one level", []), ("ngram", ["--vericache-drafter", "ngram"]))},
+}
+
+
+def _payloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
+    def code(module: str) -> dict:
+        ids = _before_last_definition(
+            tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
+        return {"input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+
+    return {"batch 1": [code(MODULES[0])], "batch 4": [code(m) for m in MODULES]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--write-docs", type=Path, help="docs page with a placement section")
+    args = parser.parse_args()
+    target = models.prepare().target
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    workloads = _payloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+    rows, plain = [], {}
+    for name, extra in SERVERS.items():
+        print(f"[{name}] starting", flush=True)
+        with ServerProcess(target, [*COMMON, *extra]) as server:
+            idle = server.rss_bytes()
+            row = {"server": name, "idle_gb": idle / 2**30}
+            for workload, payloads in workloads.items():
+                measured = _measure(server, payloads)
+                outputs = measured["outputs"]
+                if name == "plain SGLang":
+                    plain[workload] = (measured["tok_s"], outputs)
+                row[workload] = measured["tok_s"] / plain[workload][0]
+                row[f"{workload} identical"] = outputs == plain[workload][1]
+            row["after_gb"] = server.rss_bytes() / 2**30
+        print(f"[{name}] {row}", flush=True)
+        rows.append(row)
+    table = ["| server | idle RSS (GB) | RSS after (GB) | decode, batch 1 | decode, batch 4 | "
+             "identical |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        same = all(r[f"{w} identical"] for w in workloads)
+        table.append(f"| {r['server']} | {r['idle_gb']:.1f} | {r['after_gb']:.1f} | "
+                     f"{r['batch 1']:.2f}x | {r['batch 4']:.2f}x | {'yes' if same else 'NO'} |")
+    text = "\n".join(table) + (
+        "\n\nDecode speed as a ratio to plain SGLang in the same run; measured by "
+        "`python -m bench.placement`, every memory setting at its default.")
+    print(text)
+    if args.write_docs:
+        replace_section(args.write_docs, "placement", text)
+
+
+if __name__ == "__main__":
+    main()
