@@ -101,12 +101,14 @@ def plain_server(demo_model: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def vericache_server(demo_model: Path) -> Iterator[ServerProcess]:
     """The demo model served in float32 with VeriCache: 4-bit KIVI, draft length adapting
-    from 16, the full KV in host memory (the defaults)."""
+    from 16, the full KV in host memory (servers of other modules mostly run the default,
+    which on a CPU is the device placement)."""
     server = ServerProcess(demo_model, [
         *SERVER_ARGS,
         "--enable-vericache",
         "--vericache-compressor", "kivi:bits=4",
         "--vericache-draft-length", "16",
+        "--vericache-full-tier", "host",
         "--vericache-full-tier-budget", HOST_BUDGET,
     ])
     with server:

@@ -13,6 +13,23 @@ import sys
 
 import pytest
 
+MISSING_TARGET = "sglang.srt.managers.scheduler.Scheduler.renamed_by_an_upgrade"
+"""A hook target SGLang does not have, as after an upgrade renamed one VeriCache hooks."""
+
+HOOK_MISSING = f"""
+import runpy, sys
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from vericache_sglang import hooks
+
+load_plugins()
+hooks.hook("{MISSING_TARGET}", lambda original, *a, **k: original(*a, **k), HookType.AROUND)
+HookRegistry.apply_hooks()
+sys.argv[0] = "sglang.launch_server"
+runpy.run_module("sglang.launch_server", run_name="__main__")
+"""
+"""The real launcher, in a process whose plugin has one hook more, on a missing target."""
+
 BAD_FLAGS = {
     "unknown compressor": (["--enable-vericache", "--vericache-compressor", "zip:level=3"],
                            "zip"),
@@ -23,14 +40,17 @@ BAD_FLAGS = {
     "speculative flags VeriCache sets": (["--enable-vericache",
                                           "--speculative-num-draft-tokens", "8"],
                                          "--speculative-num-draft-tokens cannot be combined"),
-    "device budget too small": (["--enable-vericache", "--max-total-tokens", "1000"],
-                                "raise --max-total-tokens"),
+    "device budget too small": (["--enable-vericache", "--vericache-full-tier", "host",
+                                 "--max-total-tokens", "1000"], "raise --max-total-tokens"),
+    "hook on a function SGLang lacks": (["--enable-vericache"],
+                                        f"has no {MISSING_TARGET} to hook"),
 }
 
 
-def _launch(args: list[str]) -> subprocess.Popen:
+
+def _launch(args: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "sglang.launch_server", *args],
+        [sys.executable, *(launcher or ["-m", "sglang.launch_server"]), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -39,7 +59,8 @@ def _launch(args: list[str]) -> subprocess.Popen:
 def bad_launches(demo_model) -> dict[str, tuple[int, str]]:
     """Start every bad launch at once (each spends ~20 s importing SGLang), then collect."""
     procs = {
-        name: _launch(["--model-path", str(demo_model), "--port", "1", *args])
+        name: _launch(["--model-path", str(demo_model), "--port", "1", *args],
+                      ["-c", HOOK_MISSING] if name == "hook on a function SGLang lacks" else None)
         for name, (args, _) in BAD_FLAGS.items()
     }
     results = {}

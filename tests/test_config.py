@@ -37,7 +37,7 @@ def test_parse_size_rejects(text):
 def test_defaults_without_flags():
     config = VeriCacheConfig.build({})
     assert config.enable_vericache is False
-    assert config.vericache_full_tier == "host"
+    assert config.vericache_full_tier == "auto"
     assert config.vericache_draft_length == 16
     assert config.vericache_max_draft_length == 64
 
@@ -77,7 +77,8 @@ def test_size_parsing_for_budgets():
     ({"vericache_draft_length": "many"}, "--vericache-draft-length"),
     ({"vericache_draft_length": 2.5}, "--vericache-draft-length"),
     ({"vericache_max_draft_length": "8"}, "min-draft-length <= --vericache-draft-length"),
-    ({"vericache_full_tier": "cloud"}, "--vericache-full-tier must be one of device, host, disk"),
+    ({"vericache_full_tier": "cloud"},
+     "--vericache-full-tier must be one of auto, device, host, disk"),
     ({"vericache_full_tier_budget": "lots"}, "--vericache-full-tier-budget: 'lots' is not a size"),
     ({"vericache_disk_dir": "/srv/kv"}, "--vericache-disk-dir places the disk tier"),
     ({"vericache_draft_length": 10000, "vericache_max_draft_length": 10000},

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL_TIER_PLACEMENTS = ("device", "host", "disk")
+FULL_TIER_PLACEMENTS = ("auto", "device", "host", "disk")
 DRAFTERS = ("none", "ngram", "model")
 
 MAX_DRAFTER_LENGTH = 32
@@ -126,14 +126,19 @@ class VeriCacheConfig:
                   f"proposal length, at most {MAX_DRAFTER_LENGTH}."},
     )
     vericache_full_tier: str = field(
-        default="host",
+        default="auto",
         metadata={
-            "help": "Where the full-precision KV lives. 'host': in host memory; the device "
-            "keeps the compressed pool, drafting windows and a staging area that verification "
-            "streams the full KV through, layer by layer, while drafting runs. 'device': in "
-            "SGLang's own KV pool beside the compressed pool. 'disk': as 'host', and pages the "
+            "help": "Where the full-precision KV lives. 'device': in SGLang's own KV pool "
+            "beside the compressed pool. 'host': in host memory; the device keeps the "
+            "compressed pool, drafting windows and a staging area that verification streams "
+            "the full KV through, layer by layer, while drafting runs (built for CPU serving; "
+            "its GPU copy engine has not run on a GPU yet). 'disk': as 'host', and pages the "
             "radix tree evicts from host memory go to files through SGLang's hierarchical "
-            "cache (--vericache-disk-dir), each with a digest checked when it is read back.",
+            "cache (--vericache-disk-dir), each with a digest checked when it is read back. "
+            "'auto': 'device' on CUDA and on a CPU (where device and host memory are the same "
+            "RAM, so the host tier saves nothing and costs a copy per verification: see "
+            "docs/memory.md), 'host' when SGLang's hierarchical cache has a storage backend "
+            "(one host pool) or a host budget is given; the startup log says which and why.",
             "choices": FULL_TIER_PLACEMENTS,
         },
     )
@@ -238,7 +243,8 @@ class VeriCacheConfig:
 
     @property
     def host_placement(self) -> bool:
-        """The full KV pool lives in host memory ('host', and 'disk' which spills below it)."""
+        """The full KV pool lives in host memory ('host', and 'disk' which spills below it).
+        Before startup resolves 'auto' (`tiers/placement.py`), 'auto' admits the host flags."""
         return self.vericache_full_tier != "device"
 
     @classmethod

@@ -13,9 +13,9 @@ import logging
 import os
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang import startup, stores
+from vericache_sglang import hooks, startup, stores
 from vericache_sglang.config import (
     VeriCacheConfig,
     VeriCacheConfigError,
@@ -27,10 +27,11 @@ from vericache_sglang.config import (
 from vericache_sglang.cpu import hicache as cpu_hicache
 from vericache_sglang.cpu import lazy_kv
 from vericache_sglang.cpu.finder import install as install_cpu_support
+from vericache_sglang.hooks import hook
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
-from vericache_sglang.tiers import budget, disk
+from vericache_sglang.tiers import budget, disk, placement
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +117,29 @@ def _default_device(server_args: Any) -> None:
 
 
 def _configure(server_args: Any) -> None:
-    """Set the SGLang arguments VeriCache's settings imply, before SGLang resolves them."""
+    """Set the SGLang arguments VeriCache's settings imply, before SGLang resolves them; stop
+    with one line if a hook VeriCache needs did not apply on this SGLang."""
+    if get_config(server_args).enable_vericache:
+        found = hooks.problems()
+        if found:
+            raise startup.error(found[0])
     _default_device(server_args)
     configure_spec(server_args)
+    placement.resolve(server_args)
     disk.configure(server_args)
 
 
 def register() -> None:
-    """Plugin entry point: register VeriCache's hooks with SGLang."""
+    """Plugin entry point: register VeriCache's hooks with SGLang (a failure is recorded for
+    the startup check, then raised for SGLang to log)."""
+    try:
+        _register()
+    except Exception as error:
+        hooks.registration_failed(error)
+        raise
+
+
+def _register() -> None:
     install_cpu_support()
     startup.register()
     if _cpu_engine():
@@ -132,14 +148,13 @@ def register() -> None:
     register_spec()
     stores.register()
     meta_info.register()
-    HookRegistry.register(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
-    HookRegistry.register(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
-    HookRegistry.register(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_init_info",
-                          _scheduler_init_info, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
-                          _scheduler_internal_state, HookType.AFTER)
-    HookRegistry.register(budget.TARGET, budget.fit_compressed_pool, HookType.AROUND)
-    HookRegistry.register(budget.MAX_REQUESTS_TARGET, budget.cap_running_requests,
-                          HookType.AROUND)
+    hook(f"{SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
+    hook(f"{SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    hook(f"{SERVER_ARGS}.resolved_dict", _resolved_dict, HookType.AFTER)
+    hook("sglang.srt.managers.scheduler.Scheduler.get_init_info",
+         _scheduler_init_info, HookType.AFTER)
+    hook("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+         _scheduler_internal_state, HookType.AFTER)
+    hook(budget.TARGET, budget.fit_compressed_pool, HookType.AROUND)
+    hook(budget.MAX_REQUESTS_TARGET, budget.cap_running_requests, HookType.AROUND)
     _accept_engine_kwargs()

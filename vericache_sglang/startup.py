@@ -13,7 +13,9 @@ import os
 import tempfile
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
+
+from vericache_sglang.hooks import hook
 
 DIED_TARGET = "sglang.srt.entrypoints.engine._scheduler_died_error"
 """Builds the error SGLang's launcher raises when a scheduler exits during initialization."""
@@ -49,4 +51,4 @@ def _scheduler_died(original, rank: int, proc: Any) -> BaseException:
 
 def register() -> None:
     """Hook the launcher's report of a scheduler that died while starting."""
-    HookRegistry.register(DIED_TARGET, _scheduler_died, HookType.AROUND)
+    hook(DIED_TARGET, _scheduler_died, HookType.AROUND)

@@ -68,7 +68,7 @@ def _pool_pages(keys: torch.Tensor, values: torch.Tensor, compressor: str) -> li
         kv.k_buffer[layer][slots] = keys[layer]
         kv.v_buffer[layer][slots] = values[layer]
     pool = CompressedPagePool(parse_compressor_spec(compressor), kv, num_pages=tokens // 32 + 2)
-    pages = torch.tensor(pool.pages(slots))
+    pages = pool.pages(slots)
     return [QuantTier(pool.bits[layer], pool.k_codes[layer][pages], pool.k_scale[layer][pages],
                       pool.k_zero[layer][pages], pool.v_codes[layer][pages].flatten(0, 1),
                       pool.v_scale[layer][pages].flatten(0, 1),

@@ -30,6 +30,7 @@ MODULES = ["textwrap", "argparse", "difflib", "inspect", "typing", "functools", 
 @pytest.fixture(scope="module")
 def host_server(demo_model: Path) -> Iterator[ServerProcess]:
     with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
+                                    "--vericache-full-tier", "host",
                                     "--max-running-requests", "8"],
                        max_total_tokens=DEVICE_TOKENS) as server:
         yield server

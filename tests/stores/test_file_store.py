@@ -17,11 +17,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from vericache_sglang import stores
-from vericache_sglang.config import VeriCacheConfig, attach_config
+from vericache_sglang.config import VeriCacheConfig, attach_config, get_config
 from vericache_sglang.stores import file as file_store
 from vericache_sglang.stores.file import DIGEST_BYTES, VeriCacheFileStorage
 from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.tiers import disk
+from vericache_sglang.tiers import disk, placement
 
 PAGE = 2 * 30 * 3 * 64  # one token of the demo model's K and V, every layer
 
@@ -120,7 +120,8 @@ def test_a_write_that_fails_is_counted_and_nothing_is_read_back(storage):
 
 def _server_args(**values) -> SimpleNamespace:
     args = SimpleNamespace(enable_hierarchical_cache=False, hicache_host_memory_mode="cache",
-                           hicache_storage_backend=None, hicache_storage_backend_extra_config=None)
+                           hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
+                           device="cpu")
     for name in list(values):
         if hasattr(args, name):
             setattr(args, name, values.pop(name))
@@ -140,6 +141,8 @@ def test_a_users_file_backend_under_vericache_keeps_its_arguments_in_one_host_po
     given = '{"file_storage_path": "/kv"}'
     args = _server_args(enable_hierarchical_cache=True, hicache_storage_backend="file",
                         hicache_storage_backend_extra_config=given)
+    placement.resolve(args)  # the default, auto, puts the full KV in host memory here
+    assert get_config(args).vericache_full_tier == "host"
     disk.configure(args)
     assert (args.hicache_storage_backend, args.hicache_storage_backend_extra_config) == (
         "file", given)

@@ -364,3 +364,45 @@ def test_pages_follow_a_paged_allocator():
     assert tree.total_size() == 0
     assert pool.used_pages == 0 and pool.held_bytes() == 0
     assert allocator.available_size() == slots_total
+
+
+class _CountingPool(CompressedPagePool):
+    """The pool, recording how many groups each slot lookup (host work) was given."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked_up: list[int] = []
+
+    def _lookup(self, groups: torch.Tensor) -> list[int]:
+        self.looked_up.append(len(groups))
+        return super()._lookup(groups)
+
+
+def test_a_rounds_lookup_covers_only_the_groups_added_since_the_last_round():
+    """A request's page ids from its last round are kept where their pages still cover the
+    same slots: the next round looks up only the groups it added; a freed page, or the slot
+    row of another request, makes a whole lookup again, with the same ids a fresh one gets."""
+    kv = MHATokenToKVPool(size=2048, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
+                          head_dim=DIM, layer_num=1, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=2048, dtype=torch.float32, device="cpu", kvcache=kv,
+                                       need_sort=False)
+    compressor = parse_compressor_spec("kivi:bits=4")
+    pool = _CountingPool(compressor, kv, num_pages=pool_pages(compressor, 2048))
+    pool.follow(allocator)
+    slots = allocator.alloc(1024).to(torch.int64)
+    first = pool.pages(slots[:512])
+    grown = pool.pages(slots[:640], first)
+    assert pool.looked_up == [16, 4]
+    assert torch.equal(grown[:16], first) and len(grown) == 20
+    assert pool.pages(slots[:640], grown) is grown and pool.looked_up == [16, 4]
+
+    allocator.free(slots[100:101])  # the page of the 4th group (tokens 96-127) goes
+    again = pool.pages(slots[:640], grown)
+    assert pool.looked_up[-1] == 20  # a whole lookup: the ids held a freed page
+    assert torch.equal(again, pool.pages(slots[:640]))
+    assert pool.page_slots[again[3], 0] == slots[96]  # compressed anew from its slots
+
+    other = allocator.alloc(640).to(torch.int64)  # another request, given stale ids
+    theirs = pool.pages(other, again)
+    assert pool.looked_up[-1] == 20
+    assert torch.equal(pool.page_slots[theirs], other.reshape(-1, 32))

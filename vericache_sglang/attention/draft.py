@@ -120,6 +120,10 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         self._paged_lens: torch.Tensor | None = None
         self._exact_rows: torch.Tensor | None = None
         self._exact_lens: torch.Tensor | None = None
+        # Each request-pool slot's page ids of its last round (a few bytes per group of
+        # context; checked against the pool before reuse, so a slot reused by another
+        # request or a freed page only costs a fresh lookup).
+        self._known_pages: dict[int, torch.Tensor] = {}
 
     def begin_round(self, req_slots: list[int], committed_lens: list[int],
                     max_steps: int) -> None:
@@ -176,14 +180,16 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         page_lists, exact = [], []
         for slot, committed in zip(req_slots, self._committed, strict=True):
             rows = req_to_token[slot, :committed].to(torch.int64)
-            pages = self.pool.pages(rows[: self.pool.compressible_len(committed)])
+            pages = self.pool.pages(rows[: self.pool.compressible_len(committed)],
+                                    self._known_pages.get(slot))
+            self._known_pages[slot] = pages
             page_lists.append(pages)
             exact.append(rows[len(pages) * self.pool.group :])
         batch = len(req_slots)
         self._page_table = torch.zeros(batch, max(map(len, page_lists), default=0) or 1,
                                        dtype=torch.int32, device=device)
         for i, pages in enumerate(page_lists):
-            self._page_table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._page_table[i, : len(pages)] = pages
         self._paged_lens = torch.tensor([len(p) * self.pool.group for p in page_lists],
                                         dtype=torch.int32, device=device)
         self._exact_lens = torch.tensor([len(r) for r in exact], dtype=torch.int32,

@@ -14,9 +14,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.cpu import kvcacheio_shim
+from vericache_sglang.hooks import hook
 
 ALLOC_TARGET = "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register"
 HOST_POOL_INIT = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__"
@@ -42,6 +43,6 @@ def _record_unpinned(result: None, pool, *args: Any, **kwargs: Any) -> None:
 
 def register() -> None:
     """Register the hooks (the plugin calls this only when SGLang's CPU engine is selected)."""
-    HookRegistry.register(ALLOC_TARGET, _unpinned, HookType.AROUND)
-    HookRegistry.register(HOST_POOL_INIT, _bind_transfer_ops, HookType.BEFORE)
-    HookRegistry.register(HOST_POOL_INIT, _record_unpinned, HookType.AFTER)
+    hook(ALLOC_TARGET, _unpinned, HookType.AROUND)
+    hook(HOST_POOL_INIT, _bind_transfer_ops, HookType.BEFORE)
+    hook(HOST_POOL_INIT, _record_unpinned, HookType.AFTER)

@@ -20,10 +20,11 @@ import mmap
 from typing import Any
 
 import torch
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 from torch.overrides import TorchFunctionMode
 
 from vericache_sglang.config import served_config
+from vericache_sglang.hooks import hook
 
 TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 MIN_BYTES = 1 << 24
@@ -60,4 +61,4 @@ def _lazily_zeroed(original, pool: Any, *args: Any, **kwargs: Any):
 
 def register() -> None:
     """Register the hook (the plugin calls this only when SGLang's CPU engine is selected)."""
-    HookRegistry.register(TARGET, _lazily_zeroed, HookType.AROUND)
+    hook(TARGET, _lazily_zeroed, HookType.AROUND)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 from sglang.srt.runtime_context import get_platform
 from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorithm
 
 from vericache_sglang import startup
 from vericache_sglang.config import get_config
+from vericache_sglang.hooks import hook
 from vericache_sglang.speculative import settle
 from vericache_sglang.speculative.drafter import check_draft_model
 
@@ -94,8 +95,8 @@ def register() -> None:
         SpeculativeAlgorithm.register(
             ALGORITHM, supports_overlap=False, spec_class=VeriCacheSpecAlgo
         )(_worker_class)
-        HookRegistry.register(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve,
-                              HookType.AROUND)
+        hook(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve,
+             HookType.AROUND)
         settle.register()
 
 

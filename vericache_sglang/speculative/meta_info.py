@@ -8,7 +8,9 @@ finishes, as a one-element list (SGLang accumulates customized values into lists
 
 from __future__ import annotations
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
+
+from vericache_sglang.hooks import hook
 
 READ_BYTES_KEY = "vericache_full_tier_read_bytes"
 """Full-KV bytes read from the host tier for the request: its prefix rows staged for its
@@ -32,4 +34,4 @@ def _request_level(original, streamer, key: str) -> bool:
 
 
 def register() -> None:
-    HookRegistry.register(TARGET, _request_level, HookType.AROUND)
+    hook(TARGET, _request_level, HookType.AROUND)

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.config import get_config
+from vericache_sglang.hooks import hook
 
 PROCESSOR = ("sglang.srt.managers.scheduler_components.batch_result_processor"
              ".SchedulerBatchResultProcessor")
@@ -97,6 +98,6 @@ def _spec_meta_info(original, manager, meta_info: dict[str, Any], recv_obj: Any,
 
 
 def register() -> None:
-    HookRegistry.register(SETTLE_TARGET, _settle, HookType.AROUND)
-    HookRegistry.register(REPORT_TARGET, _report, HookType.AROUND)
-    HookRegistry.register(META_INFO_TARGET, _spec_meta_info, HookType.AROUND)
+    hook(SETTLE_TARGET, _settle, HookType.AROUND)
+    hook(REPORT_TARGET, _report, HookType.AROUND)
+    hook(META_INFO_TARGET, _spec_meta_info, HookType.AROUND)

@@ -83,12 +83,31 @@ class CompressedPagePool:
         groups older than the full-precision recent window (KIVI's residual)."""
         return max(committed - self.residual, 0) // self.group * self.group
 
-    def pages(self, slots: torch.Tensor) -> list[int]:
-        """Page ids of the whole groups of a request whose tokens sit at full-pool `slots` (in
-        token order, a multiple of `group` long), compressing from the full pool the groups no
-        page holds yet. When the pool is full, the ids of the leading groups that fit: the
-        rest is read exactly (more accurate drafts, never wrong output)."""
+    def pages(self, slots: torch.Tensor, known: torch.Tensor | None = None) -> torch.Tensor:
+        """Page ids (int64, on the pool's device) of the whole groups of a request whose
+        tokens sit at full-pool `slots` (in token order, a multiple of `group` long),
+        compressing from the full pool the groups no page holds yet. When the pool is full,
+        the ids of the leading groups that fit: the rest is read exactly (more accurate
+        drafts, never wrong output).
+
+        `known`: the request's page ids from an earlier round. A request's groups only grow
+        between rounds, so when those pages still cover the same slots (one comparison on the
+        device; a page lives exactly as long as its slots) only the groups added since are
+        looked up: a round's host work follows what the request added, not its context."""
         groups = slots.reshape(-1, self.group)
+        kept = 0
+        if known is not None and 0 < len(known) <= len(groups) and torch.equal(
+                self.page_slots[known], groups[: len(known)].to(self.page_slots.device)):
+            kept = len(known)
+            if kept == len(groups):
+                return known
+        added = torch.tensor(self._lookup(groups[kept:]), dtype=torch.int64,
+                             device=self.page_slots.device)
+        return torch.cat([known[:kept], added]) if kept else added
+
+    def _lookup(self, groups: torch.Tensor) -> list[int]:
+        """Page ids of `groups` [n, group] by their slots, compressing those no page holds
+        (the leading ones that fit when the pool is full)."""
         keys = [row.numpy().tobytes() for row in groups.cpu()]
         pages = [self._page_of.get(key, -1) for key in keys]
         missing = [i for i, page in enumerate(pages) if page < 0]
@@ -102,7 +121,7 @@ class CompressedPagePool:
                 pages[i] = page
                 self._page_of[keys[i]] = page
                 self._key_of[page] = keys[i]
-            self._compress(torch.tensor(new, device=slots.device), groups[missing])
+            self._compress(torch.tensor(new, device=groups.device), groups[missing])
         return pages
 
     def layer(self, layer_id: int, page_table: torch.Tensor,

@@ -24,7 +24,8 @@ from typing import Any
 
 from sglang.srt.runtime_context import get_platform
 
-from vericache_sglang.config import attach_config, get_config
+from vericache_sglang import startup
+from vericache_sglang.config import VeriCacheConfigError, attach_config, get_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,5 +52,9 @@ def resolve(server_args: Any) -> None:
     if not config.enable_vericache or config.vericache_full_tier != "auto":
         return
     placement, why = choose(server_args)
-    attach_config(server_args, dataclasses.replace(config, vericache_full_tier=placement))
+    try:
+        config = dataclasses.replace(config, vericache_full_tier=placement)
+    except VeriCacheConfigError as e:
+        raise startup.error(f"{e} (--vericache-full-tier auto chose {placement}: {why})") from None
+    attach_config(server_args, config)
     logger.info("VeriCache full tier: %s (--vericache-full-tier auto: %s)", placement, why)
