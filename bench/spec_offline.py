@@ -45,9 +45,10 @@ def log(message: str) -> None:
 
 @torch.inference_mode()
 def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int,
-             level: tuple[int, ...] | None = None) -> dict:
+             level: tuple[int, ...] | None = None, recent: int = 0) -> dict:
     """Greedy VeriCache decoding of `new_tokens` tokens (the first from prefill); with `level`
-    (bits per layer), the prompt's quantized groups are drafted on at that codec level."""
+    (bits per layer), the prompt's quantized groups are drafted on at that codec level, but
+    for the groups of its last `recent` tokens (recency bits: those stay at the pool level)."""
     compressor = parse_compressor_spec(spec)
     window = compressor.score_window() or 1 if compressor.needs_scores else 1
     layers = prefill(model, ids, window=window,
@@ -60,6 +61,11 @@ def simulate(model, ids: list[int], spec: str, k: int, new_tokens: int,
     # The prompt's groups never change (prefix-stable KIVI): their coarse rows are fixed.
     coarse = None if level is None else [coarser(block.old, bits).dequantize(block.dtype)
                                          for block, bits in zip(blocks, level, strict=True)]
+    if coarse is not None and recent:
+        # The coarse rows end where the prompt's newest `recent` tokens begin (whole groups).
+        group = compressor.plan(0).group
+        keep = max(len(coarse[0][0]) - recent // group * group, 0)
+        coarse = [(ck[:keep], cv[:keep]) for ck, cv in coarse]
     # The first token: the prompt's last logits (re-run the last token over the rest).
     committed = len(ids)
     probe = DynamicCache()
@@ -140,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also draft each KIVI config's prompt on a coarser level of its "
                         "CacheGen stream: EARLY bits for the first quarter of the layers, "
                         "LATE for the rest (e.g. 4,2 2,2)")
+    parser.add_argument("--recent-tokens", type=int, nargs="*", default=[0], metavar="N",
+                        help="with --codec-levels: the prompt's newest N tokens stay at the "
+                        "pool level (recency bits); one run per N (default: 0)")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -161,14 +170,17 @@ def main(argv: list[str] | None = None) -> int:
                 levels += CodecSpec.for_compressor(parse_compressor_spec(spec),
                                                    model.config.num_hidden_layers,
                                                    coarse=(early, late)).coarse
-            for level in levels:
+            runs = [(level, recent) for level in levels
+                    for recent in ([0] if level is None else args.recent_tokens)]
+            for level, recent in runs:
                 began = time.monotonic()
-                r = simulate(model, ids, spec, int(k), args.max_new_tokens, level)
+                r = simulate(model, ids, spec, int(k), args.max_new_tokens, level, recent)
                 same = "" if reference is None else (
                     ", identical to greedy" if r["output"] == reference
                     else ", DIFFERS FROM GREEDY")
                 name = config if level is None else (
-                    f"{config} drafting the prompt at codec level {sorted(set(level))} bits")
+                    f"{config} drafting the prompt at codec level {sorted(set(level))} bits"
+                    + (f", its newest {recent} tokens at the pool level" if recent else ""))
                 log(f"{name}: rounds {r['rounds']}, drafted "
                     f"{r['drafted']}, accepted {r['accepted']} "
                     f"({r['accepted'] / max(r['drafted'], 1):.1%}), E {r['E']:.2f}, "
