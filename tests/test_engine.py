@@ -31,6 +31,11 @@ def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):
         assert out["output_ids"] == hf_reference(ids, 24)
     finally:
         engine.shutdown()
+        # The Engine published its server arguments in this (the test) process; later tests
+        # ask what this process serves (SGLang's own teardown).
+        from sglang.srt.runtime_context import reset_context
+
+        reset_context()
 
 
 def test_engine_refuses_bad_vericache_values(demo_model):
