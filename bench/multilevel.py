@@ -61,7 +61,7 @@ DEFAULT_NEW_TOKENS = 128
 """Greedy tokens per request unless `--max-new-tokens` says otherwise."""
 
 
-def _before_last_definition(tokenizer, ids: list[int]) -> list[int]:
+def before_last_definition(tokenizer, ids: list[int]) -> list[int]:
     """`ids` up to the line that opens their last `def` or `class`, so the model writes the next
     definition. A cut inside a line once ended the code prompt in a regex literal, and the demo
     model answered with a loop any n-gram drafter predicts: that measured the loop, not code
@@ -78,7 +78,7 @@ def _before_last_definition(tokenizer, ids: list[int]) -> list[int]:
 
 def _workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
     def code(module: str) -> list[int]:
-        return _before_last_definition(
+        return before_last_definition(
             tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
 
     def chat(module: str) -> list[int]:
@@ -116,7 +116,7 @@ def repeated_share(prompts: list[list[int]], answers: list[list[int]], n: int = 
     return repeated / max(total, 1)
 
 
-def _measure(server: ServerProcess, payloads: list[dict], repeats: int = 1) -> dict:
+def measure_decode(server: ServerProcess, payloads: list[dict], repeats: int = 1) -> dict:
     """Decode tok/s of the payloads sent together, the best of `repeats` timings (each less its
     own time to the first token): the machine's noise only ever slows a run down. Each timing
     starts from a flushed server, whose n-gram corpus has not seen the answers (it learns every
@@ -206,7 +206,7 @@ def main() -> None:
         print(f"[bench] {name} ...", flush=True)
         try:
             with ServerProcess(model, [*COMMON, *extra]) as server:
-                results[name] = {w: _measure(server, p, args.repeats)
+                results[name] = {w: measure_decode(server, p, args.repeats)
                                  for w, p in workloads.items()}
         except ServerStartError as e:
             errors = [line for line in str(e).splitlines() if "Error" in line]

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench.docs_section import replace_section
-from bench.multilevel import MODULES, _before_last_definition, _measure
+from bench.multilevel import MODULES, before_last_definition, measure_decode
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
@@ -36,7 +36,7 @@ SERVERS = {
 
 def _payloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
     def code(module: str) -> dict:
-        ids = _before_last_definition(
+        ids = before_last_definition(
             tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
         return {"input_ids": ids, "sampling_params": {
             "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
@@ -60,7 +60,7 @@ def main() -> None:
             idle = server.rss_bytes()
             row = {"server": name, "idle_gb": idle / 2**30}
             for workload, payloads in workloads.items():
-                measured = _measure(server, payloads)
+                measured = measure_decode(server, payloads)
                 outputs = measured["outputs"]
                 if name == "plain SGLang":
                     plain[workload] = (measured["tok_s"], outputs)

@@ -135,7 +135,7 @@ class VeriCacheConfig:
             "its GPU copy engine has not run on a GPU yet). 'disk': as 'host', and pages the "
             "radix tree evicts from host memory go to files through SGLang's hierarchical "
             "cache (--vericache-disk-dir), each with a digest checked when it is read back. "
-            "'auto': 'device' on CUDA and on a CPU (where device and host memory are the same "
+            "'auto': 'device' on a GPU and on a CPU (where device and host memory are the same "
             "RAM, so the host tier saves nothing and costs a copy per verification: see "
             "docs/memory.md), 'host' when SGLang's hierarchical cache has a storage backend "
             "(one host pool) or a host budget is given; the startup log says which and why.",

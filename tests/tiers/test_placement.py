@@ -35,9 +35,10 @@ def test_the_default_is_auto_and_a_cpu_gets_the_device_placement():
     assert _resolved(args) == "device"
 
 
-@pytest.mark.parametrize("device", ["cuda", None])
-def test_cuda_gets_the_device_placement(device):
-    """Whether `--device cuda` is given or SGLang finds CUDA itself (faked platform)."""
+@pytest.mark.parametrize("device", ["cuda", None, "xpu"])
+def test_a_gpu_gets_the_device_placement(device):
+    """Whether `--device cuda` is given, SGLang finds CUDA itself (faked platform), or another
+    accelerator is named: only a CPU may choose the host tier."""
     with override_platform(is_cuda=True):
         assert _resolved(_args(device=device)) == "device"
         assert _resolved(_args(device=device, hicache_storage="file")) == "device"

@@ -95,8 +95,7 @@ def register() -> None:
         SpeculativeAlgorithm.register(
             ALGORITHM, supports_overlap=False, spec_class=VeriCacheSpecAlgo
         )(_worker_class)
-        hook(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve,
-             HookType.AROUND)
+        hook(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve, HookType.AROUND)
         settle.register()
 
 

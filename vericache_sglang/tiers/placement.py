@@ -1,8 +1,8 @@
 """`--vericache-full-tier auto` (the default): where the full KV lives, chosen at startup.
 
-- **A CUDA device: `device`.** The host tier's GPU path (a pinned host pool, a copy stream,
-  one event per layer) is not built yet; until it has run on a GPU, the full KV stays in
-  SGLang's own device pool beside the compressed pool.
+- **A GPU (or any device but a CPU): `device`.** The host tier's GPU path (a pinned host
+  pool, a copy stream, one event per layer) has not run on a GPU yet; until it has, the full KV
+  stays in SGLang's own device pool beside the compressed pool.
 - **SGLang's hierarchical cache with a storage backend: `host`.** The full KV then lives in
   one host pool, VeriCache's host tier, and SGLang's host memory only stages pages to and from
   the store (`tiers/disk.py`); with `device`, SGLang's own host pool would hold a second copy
@@ -33,10 +33,10 @@ logger = logging.getLogger(__name__)
 def choose(server_args: Any) -> tuple[str, str]:
     """The placement `auto` stands for on this server, and why."""
     config = get_config(server_args)
-    if str(server_args.device or "").startswith("cuda") or (
-            server_args.device is None and get_platform().is_cuda):
-        return "device", ("on CUDA the host tier's copy engine has not run on a GPU yet, so "
-                          "the full KV stays in SGLang's device pool")
+    device = server_args.device or ("cuda" if get_platform().is_cuda else "cpu")
+    if device != "cpu":
+        return "device", (f"on {device} the host tier's copy engine has not run yet, so the "
+                          "full KV stays in SGLang's device pool")
     if config.vericache_full_tier_budget is not None or config.vericache_staging_budget is not None:
         return "host", "--vericache-full-tier-budget or --vericache-staging-budget sizes it"
     if server_args.enable_hierarchical_cache and server_args.hicache_storage_backend is not None:
