@@ -7,9 +7,14 @@ This follows SGLang HiCache's layer-wise load (`LayerDoneCounter`: per-layer eve
 attention of layer l waits only for layer l): here a unit holds one layer's rows of a group of
 the batch's requests, the copier fills units in the order the forward consumes them, and it
 reuses a unit's buffer only after the forward released it, so the device never holds more than
-`depth` units whatever the batch's context. The copier is a worker thread (torch's
-`index_select` releases the GIL, so copies overlap the main thread's compute); on a GPU the same
-thread would issue the copies on a side stream from pinned memory.
+`depth` units whatever the batch's context. The copier is a worker thread that plans the order;
+the copies themselves go through the copy engine (`tiers/copy_engine.py`): on a CPU synchronous
+`index_select`s (they release the GIL, so they overlap the main thread's compute), on CUDA a
+gather into pinned memory and an H2D copy on a side stream, one event per unit that the forward's
+stream waits on. There the full pool's host buffers would ideally be page-locked where the host
+pool is allocated (SGLang's `alloc_with_host_register`, `sglang.srt.mem_cache.pool_host.common`):
+not needed for correctness, since the engine gathers the scattered rows into its own pinned
+buffers first.
 
 A unit's buffer also has room for the requests' new tokens (the ones the forward computes): the
 forward writes their K/V in behind the prefix, so attention reads one contiguous run per request,
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.tiers.copy_engine import CopyEngine
 
 
 class StagingTooSmall(RuntimeError):
@@ -47,6 +53,8 @@ class Unit:
     """Full-tier slots to fetch, the requests' prefixes one after another."""
     starts: list[int]
     """Where each request's rows begin in the buffer."""
+    slot: int | None = None
+    """The buffer it was copied into (the copy engine's key)."""
     done: threading.Event = field(default_factory=threading.Event)
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
@@ -59,9 +67,10 @@ class FetchStats:
 
     bytes: int = 0
     copy_s: float = 0.0
-    """Time spent copying."""
+    """Time spent copying (on CUDA: the H2D copies on the copy stream)."""
     wait_s: float = 0.0
-    """Time the forward waited for a unit: copy time not hidden behind other work."""
+    """Time the forward waited for a unit: copy time not hidden behind other work (on CUDA
+    only the host's wait for the gather; the stream's wait on the copy is not counted)."""
 
     def add(self, other: FetchStats) -> None:
         self.bytes += other.bytes
@@ -99,6 +108,7 @@ class StagingArea:
         dtype = full_pool.k_buffer[0].dtype
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(depth)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(depth)]
+        self.engine = CopyEngine(device)
         self._free = threading.Semaphore(depth)
         self._jobs: queue.SimpleQueue[Fetch | None] = queue.SimpleQueue()
         self._stats = FetchStats()
@@ -145,7 +155,8 @@ class StagingArea:
 
     # -- consuming ----------------------------------------------------------------------------
     def wait(self, unit: Unit) -> Unit:
-        """Block until `unit` is staged; its `k`/`v` are then valid until `release`."""
+        """Block until `unit`'s copy is issued and make the current stream wait for it; its
+        `k`/`v` are then valid until `release`."""
         began = time.perf_counter()
         unit.done.wait()
         waited = time.perf_counter() - began
@@ -153,10 +164,12 @@ class StagingArea:
             self._stats.wait_s += waited
         if unit.error is not None:
             raise unit.error
+        self.engine.wait(unit.slot)
         return unit
 
     def release(self, unit: Unit) -> None:
         """The forward is done with `unit`: its buffer may take the next one."""
+        self.engine.release(unit.slot)
         unit.k = unit.v = None
         self._free.release()
 
@@ -172,8 +185,10 @@ class StagingArea:
     # -- accounting ---------------------------------------------------------------------------
     def take_stats(self) -> FetchStats:
         """Bytes copied and time copying / waiting since the last call."""
+        copied = self.engine.take_stats()
         with self._lock:
             stats, self._stats = self._stats, FetchStats()
+        stats.add(FetchStats(bytes=copied.bytes, copy_s=copied.copy_s))
         return stats
 
     def take_request_bytes(self) -> dict[int, int]:
@@ -213,32 +228,21 @@ class StagingArea:
                 return
             for unit in fetch.units:
                 self._free.acquire()
-                began = time.perf_counter()
                 try:
                     self._copy(unit, slot)
                 except BaseException as e:  # surfaced to the forward by wait()
                     unit.error = e
                     self._free.release()
-                copied = time.perf_counter() - began
-                with self._lock:
-                    self._stats.copy_s += copied
-                    self._stats.bytes += 2 * unit.rows.numel() * self._row_bytes()
                 unit.done.set()
                 slot = (slot + 1) % self.depth
 
     def _copy(self, unit: Unit, slot: int) -> None:
+        """Each request's prefix rows of `unit.layer` into buffer `slot`, at its start."""
         k, v = self.k[slot], self.v[slot]
-        if unit.rows.numel():
-            rows = unit.rows.to(self.full_pool.k_buffer[unit.layer].device)
-            for i, start in enumerate(unit.starts):
-                n = unit.prefix[i]
-                offset = sum(unit.prefix[:i])
-                part = rows[offset:offset + n]
-                torch.index_select(self.full_pool.k_buffer[unit.layer], 0, part,
-                                   out=k[start:start + n])
-                torch.index_select(self.full_pool.v_buffer[unit.layer], 0, part,
-                                   out=v[start:start + n])
-        unit.k, unit.v = k, v
+        self.engine.issue(slot, [(self.full_pool.k_buffer[unit.layer], k),
+                                 (self.full_pool.v_buffer[unit.layer], v)],
+                          unit.rows, segments=list(zip(unit.starts, unit.prefix, strict=True)))
+        unit.slot, unit.k, unit.v = slot, k, v
 
     def _row_bytes(self) -> int:
         buffer = self.k[0]
