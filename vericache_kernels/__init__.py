@@ -103,7 +103,8 @@ def decode_attention(
     q [B, Hq, D]; packed: `PagedKV`, `PackedKV` (read as its pages) or None; k_res/v_res
     [B, R, H, D]; res_lengths [B]. `tail`: (k, v [B, T, H, D], head_lengths [B, Hq]), tokens
     after the residual of which query head j of request b sees the first head_lengths[b, j]
-    (a round's drafts, each draft row seeing those up to its own).
+    (a round's drafts, each draft row seeing those up to its own). CUDA (Triton) and CPU (C++)
+    kernels take all three parts in one call; without either, the reference's are merged.
     """
     paged = packed.as_paged() if isinstance(packed, PackedKV) else packed
     if q.device.type == "cpu":
@@ -113,9 +114,8 @@ def decode_attention(
     if q.is_cuda:
         from .attention_triton import decode_attention_triton
 
-        result = decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale)
-    else:
-        result = decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)
+        return decode_attention_triton(q, paged, k_res, v_res, res_lengths, sm_scale, tail)
+    result = decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale)
     if tail is None:
         return result
     return merge_attention([result, tail_attention_ref(q, *tail, sm_scale)])

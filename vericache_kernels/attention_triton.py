@@ -1,13 +1,19 @@
 """Triton decode attention reading paged packed K/V directly (dequantize on read) plus an fp
-residual.
+residual and a round's draft tail, in one launch.
 
-One program per (request, KV head) handles all query heads of that GQA group, so each packed
-K/V byte is read once per group; an online softmax runs over the quantized tokens, found through
-the page table (token t of request b lies in page page_table[b, t // GROUP]), and then over the
-residual tokens. Contract as in `attention_ref.decode_attention_ref`.
+A program handles one (request, KV head, split) with all query heads of that GQA group, so each
+packed K/V byte is read once per group. The request's quantized tokens (found through the page
+table: token t of request b lies in page page_table[b, t // GROUP]) followed by its residual
+tokens are cut into `num_splits` contiguous ranges, one per split (flash-decoding: at batch 1 a
+long context still fills the GPU); the last split also takes the tail, in which each query head
+sees its own number of tokens. Each split runs an online softmax over its range and, with more
+than one split, writes a float32 partial (out, lse) that `_merge_splits_kernel` combines.
+Contract as in `attention_ref`: `decode_attention_ref` merged with `tail_attention_ref`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -17,12 +23,23 @@ from .layout import PagedKV
 from .quant_triton import unpack_codes
 
 BLOCK_N = 16
+"""Tokens per inner step by default; `decode_attention_triton(block_n=)` takes any of BLOCK_NS."""
+BLOCK_NS = (16, 32, 64)
+MAX_SPLITS = 64
+"""Most splits the default gives: bounds the float32 partials and the merge's width."""
+SPLIT_MIN_TOKENS = 256
+"""Fewest tokens per split the default split count gives, so that short contexts keep one split
+(no partials, no merge launch) and a split's fixed costs (q load, partial write) stay small."""
+PROGRAMS_PER_SM = 2
+FALLBACK_SMS = 132
+"""SMs assumed off CUDA (the interpreter), an H100's or H200's: defaults as on those GPUs."""
 
 
 @triton.jit
 def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
+    # valid: [1, BLOCK_N] for tokens every query head sees, [BLOCK_H, BLOCK_N] for the tail
     logits = tl.sum(q[:, None, :] * k[None, :, :], 2) * sm_scale
-    logits = tl.where(valid[None, :], logits, float("-inf"))
+    logits = tl.where(valid, logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(logits - m_new[:, None])
@@ -32,16 +49,25 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale):
 
 
 @triton.jit
+def _load_dense(ptr, b, t, ok, n_max, h, kv_heads, d, d_ok, HEAD_DIM: tl.constexpr):
+    """Tokens t of request b, KV head h, from float [B, n_max, H, D] as float32 [BLOCK_N, D]."""
+    offs = ((b * n_max + t) * kv_heads + h)[:, None] * HEAD_DIM + d[None, :]
+    return tl.load(ptr + offs, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, table_ptr, q_len_ptr,
-    kr_ptr, vr_ptr, r_len_ptr, o_ptr, lse_ptr,
-    sm_scale, max_pages, n_res_max, kv_heads, group_size,
+    kr_ptr, vr_ptr, r_len_ptr, kt_ptr, vt_ptr, t_len_ptr, o_ptr, lse_ptr,
+    sm_scale, max_pages, n_res_max, n_tail_max, kv_heads, group_size, n_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, V_GROUP: tl.constexpr,
-    BITS: tl.constexpr, PER_BYTE: tl.constexpr, HAS_QUANT: tl.constexpr,
+    BITS: tl.constexpr, PER_BYTE: tl.constexpr, HAS_QUANT: tl.constexpr, HAS_TAIL: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # int64 from here on: offsets into a large page pool (or residual) overflow int32
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     head_ok = tl.arange(0, BLOCK_H) < group_size
     heads = h * group_size + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -52,13 +78,20 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    n_quant = tl.load(q_len_ptr + b) if HAS_QUANT else 0
+    n_res = tl.load(r_len_ptr + b)
+    # this split's tokens [lo, hi) of the request's quantized-then-residual sequence: the same
+    # whole number of BLOCK_N steps per split (the last used one may be short, later ones empty)
+    n_total = n_quant + n_res
+    chunk = tl.cdiv(tl.cdiv(n_total, n_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_total)
     if HAS_QUANT:
-        n_quant = tl.load(q_len_ptr + b)
-        for start in range(0, n_quant, BLOCK_N):
+        quant_hi = tl.minimum(hi, n_quant)
+        for start in range(lo, quant_hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
-            valid = t < n_quant
+            valid = t < quant_hi
             mask = valid[:, None] & d_ok[None, :]
-            # int64: offsets into a large page pool overflow int32
             page = tl.load(table_ptr + b * max_pages + t // GROUP, mask=valid, other=0)
             page = page.to(tl.int64)
             j = t % GROUP
@@ -77,21 +110,70 @@ def _decode_attention_kernel(
             v_meta = v_row * (HEAD_DIM // V_GROUP) + (d // V_GROUP)[None, :]
             v = (v_q * tl.load(vs_ptr + v_meta, mask=mask, other=0.0).to(tl.float32)
                  + tl.load(vz_ptr + v_meta, mask=mask, other=0.0).to(tl.float32))
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
-    n_res = tl.load(r_len_ptr + b)
-    for start in range(0, n_res, BLOCK_N):
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc,
+                                                 sm_scale)
+    res_hi = hi - n_quant
+    for start in range(tl.maximum(lo - n_quant, 0), res_hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
-        valid = t < n_res
-        mask = valid[:, None] & d_ok[None, :]
-        offs = ((b * n_res_max + t) * kv_heads + h)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(kr_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(vr_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, sm_scale)
+        valid = t < res_hi
+        k = _load_dense(kr_ptr, b, t, valid, n_res_max, h, kv_heads, d, d_ok, HEAD_DIM)
+        v = _load_dense(vr_ptr, b, t, valid, n_res_max, h, kv_heads, d, d_ok, HEAD_DIM)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, sm_scale)
+    if HAS_TAIL:
+        # The last split only. Query head j takes the first sees[j] tokens; none past them all
+        # is read (unwritten scratch may hold NaN). The tail keeps its own running state, folded
+        # in after its loop: carrying m_i/l_i/acc through a third loop trips Triton's layout
+        # pass (RemoveLayoutConversions, triton 3.8, BLOCK_N = 32) on GPU builds.
+        sees = tl.load(t_len_ptr + b * kv_heads * group_size + heads,
+                       mask=head_ok & (split == n_splits - 1), other=0)
+        n_tail = tl.max(sees, 0)
+        m_t = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_t = tl.zeros([BLOCK_H], tl.float32)
+        acc_t = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for start in range(0, n_tail, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            read = t < n_tail
+            k = _load_dense(kt_ptr, b, t, read, n_tail_max, h, kv_heads, d, d_ok, HEAD_DIM)
+            v = _load_dense(vt_ptr, b, t, read, n_tail_max, h, kv_heads, d, d_ok, HEAD_DIM)
+            m_t, l_t, acc_t = _online_softmax_step(q, k, v, t[None, :] < sees[:, None], m_t,
+                                                   l_t, acc_t, sm_scale)
+        m_new = tl.maximum(m_i, m_t)
+        alpha = tl.exp(m_i - m_new)
+        beta = tl.exp(m_t - m_new)
+        l_i = l_i * alpha + l_t * beta
+        acc = acc * alpha[:, None] + acc_t * beta[:, None]
+        m_i = m_new
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
-    tl.store(o_ptr + q_offs, acc / l_safe[:, None], mask=q_mask)
-    lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
-    tl.store(lse_ptr + b * kv_heads * group_size + heads, lse, mask=head_ok)
+    # out/lse: [B, Hq, n_splits, D] and [B, Hq, n_splits]
+    part = (b * kv_heads * group_size + heads) * n_splits + split
+    tl.store(o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=q_mask)
+    tl.store(lse_ptr + part, tl.where(seen, m_i + tl.log(l_safe), float("-inf")), mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, lse_ptr, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # one program per (request, query head): its splits' partials [n_splits, D] -> out [D]
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < n_splits
+    lse = tl.load(part_lse_ptr + row * n_splits + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    # an empty split (lse -inf) weighs 0; m = -inf (all empty) would make that -inf - -inf
+    w = tl.exp(lse - tl.where(m > float("-inf"), m, 0.0))
+    total = tl.sum(w, 0)
+    mask = s_ok[:, None] & (d < HEAD_DIM)[None, :]
+    parts = tl.load(part_o_ptr + (row * n_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=mask, other=0.0)
+    seen = total > 0
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(seen, total, 1.0)
+    tl.store(o_ptr + row * HEAD_DIM + d, out, mask=d < HEAD_DIM)
+    tl.store(lse_ptr + row, tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)),
+                                     float("-inf")))
 
 
 def decode_attention_triton(
@@ -101,30 +183,75 @@ def decode_attention_triton(
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
     sm_scale: float,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `attention_ref.decode_attention_ref`."""
+    """`attention_ref.decode_attention_ref`, merged with `tail_attention_ref(q, *tail)` when a
+    tail (k, v [B, T, H, D], head_lengths [B, Hq]) is given, in one launch (two with splits).
+
+    `num_splits`: ranges each request's tokens are cut into; None picks `default_num_splits`.
+    `block_n`: tokens per inner step, one of BLOCK_NS.
+    """
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"block_n must be one of {BLOCK_NS}, not {block_n}")
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[2]
-    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
     if batch == 0:
-        return out, lse
+        return (torch.empty(0, q_heads, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(0, q_heads, dtype=torch.float32, device=q.device))
     group_size = q_heads // kv_heads
     quant = paged if paged is not None else _empty_paged(q.device, batch, kv_heads, head_dim)
-    grid = (batch, kv_heads)
-    _decode_attention_kernel[grid](
+    if num_splits is None:
+        longest = quant.page_table.shape[1] * quant.group + k_res.shape[1]
+        num_splits = default_num_splits(batch * kv_heads, longest, _sm_count(q.device))
+    # with one split the partials are the result: [B, Hq, 1, D] is out [B, Hq, D]'s layout
+    part_o = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32,
+                         device=q.device)
+    part_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
+    tail_k, tail_v, tail_lengths = (
+        (k_res, v_res, res_lengths) if tail is None  # placeholders, never read
+        else (tail[0].contiguous(), tail[1].contiguous(), tail[2].to(torch.int32).contiguous()))
+    _decode_attention_kernel[(batch, kv_heads, num_splits)](
         q.contiguous(), quant.k_codes.contiguous(), quant.k_scale.contiguous(),
         quant.k_zero.contiguous(), quant.v_codes.contiguous(), quant.v_scale.contiguous(),
         quant.v_zero.contiguous(), quant.page_table.to(torch.int32).contiguous(),
         quant.lengths.to(torch.int32).contiguous(),
         k_res.contiguous(), v_res.contiguous(), res_lengths.to(torch.int32).contiguous(),
-        out, lse, sm_scale, quant.page_table.shape[1], k_res.shape[1], kv_heads, group_size,
+        tail_k, tail_v, tail_lengths, part_o, part_lse,
+        sm_scale, quant.page_table.shape[1], k_res.shape[1], tail_k.shape[1], kv_heads,
+        group_size, num_splits,
         HEAD_DIM=head_dim, GROUP=quant.group, V_GROUP=quant.v_group, BITS=quant.bits,
-        PER_BYTE=8 // quant.bits, HAS_QUANT=paged is not None,
-        BLOCK_H=triton.next_power_of_2(group_size), BLOCK_N=BLOCK_N,
+        PER_BYTE=8 // quant.bits, HAS_QUANT=paged is not None, HAS_TAIL=tail is not None,
+        BLOCK_H=triton.next_power_of_2(group_size), BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+    if num_splits == 1:
+        return part_o.squeeze(2), part_lse.squeeze(2)
+    out = torch.empty(batch, q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=q.device)
+    _merge_splits_kernel[(batch * q_heads,)](
+        part_o, part_lse, out, lse, num_splits, HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
     return out, lse
+
+
+def default_num_splits(programs: int, longest: int, sms: int) -> int:
+    """Splits per (request, KV head) for `programs` of them, the longest request `longest`
+    tokens: enough for PROGRAMS_PER_SM programs per SM, no more than MAX_SPLITS, and none
+    shorter than SPLIT_MIN_TOKENS (so 1 for short contexts)."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    return max(1, min(wanted, MAX_SPLITS, longest // SPLIT_MIN_TOKENS))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (FALLBACK_SMS off CUDA); cached, as it is asked per layer and step."""
+    if device.type != "cuda":
+        return FALLBACK_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _empty_paged(device: torch.device, batch: int, heads: int, dim: int) -> PagedKV:

@@ -19,7 +19,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from vericache_kernels.attention_ref import decode_attention_ref  # noqa: E402
+from vericache_kernels.attention_ref import (  # noqa: E402
+    decode_attention_ref,
+    merge_attention,
+    tail_attention_ref,
+)
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
 
 from .test_paged_attention import (  # noqa: E402
@@ -56,7 +60,8 @@ def interpreted():
     from vericache_kernels import attention_triton, quant_triton
 
     for kernel in (quant_triton._quantize_pack_kernel, quant_triton._dequantize_kernel,
-                   attention_triton._decode_attention_kernel):
+                   attention_triton._decode_attention_kernel,
+                   attention_triton._merge_splits_kernel):
         assert isinstance(kernel, InterpretedFunction)
     return quant_triton, attention_triton
 
@@ -114,6 +119,62 @@ def test_paged_decode_attention_equals_reference(interpreted, bits):
 
 
 @interpreter_only
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_tail_in_the_launch_equals_the_reference_merge(interpreted, bits, group_size):
+    """Pages + residual + a tail whose query heads see different counts (0 too), in one launch,
+    equal the reference parts merged; request 2 has nothing at all, and tail slots no head
+    sees hold NaN (a round's unwritten scratch), so reading one would show."""
+    _, attn = interpreted
+    heads, dim, draft = 2, 16, 3
+    q, paged, k_res, v_res = ragged_inputs(bits, heads, group_size, dim, 4, torch.bfloat16, 5,
+                                           seed=bits + group_size)
+    res_lengths = torch.tensor([5, 2, 0])
+    gen = torch.Generator().manual_seed(bits)
+    tail_k, tail_v = (torch.randn(3, draft, heads, dim, generator=gen).to(torch.bfloat16)
+                      for _ in range(2))
+    q_heads = heads * group_size
+    sees = torch.randint(0, draft + 1, (3, q_heads), generator=gen, dtype=torch.int32)
+    sees[0, 0] = 0
+    sees[1] = torch.arange(q_heads) % draft  # a GQA group's heads see 0, 1, 2, 0
+    sees[2] = 0
+    for b in range(3):
+        tail_k[b, sees[b].max():] = tail_v[b, sees[b].max():] = float("nan")
+    tail = (tail_k, tail_v, sees)
+    want = merge_attention([decode_attention_ref(q, paged, k_res, v_res, res_lengths, 0.3),
+                            tail_attention_ref(q, *tail, 0.3)])
+    for splits, block_n in ((1, 16), (3, 32), (None, 64)):
+        got = attn.decode_attention_triton(q, paged, k_res, v_res, res_lengths, 0.3, tail,
+                                           num_splits=splits, block_n=block_n)
+        assert_close(got, want)
+    assert torch.equal(got[0][2], torch.zeros_like(got[0][2]))
+    assert torch.all(got[1][2] == float("-inf"))
+
+
+@interpreter_only
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_context_equals_reference(interpreted, splits):
+    """The shuffled pool cut into splits: ranges that straddle pages and the residual, and
+    splits with no token (short and empty requests), merge to the reference. The default
+    (2 splits on this pool) runs in test_paged_decode_attention_equals_reference."""
+    _, attn = interpreted
+    case = paged_case(4)
+    args = (case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
+    assert_close(attn.decode_attention_triton(*args, num_splits=splits),
+                 decode_attention_ref(*args))
+
+
+@interpreter_only
+def test_default_splits_fill_the_gpu(interpreted):
+    """About two programs per SM on a long context, one split on a short one, at most 64."""
+    _, attn = interpreted
+    assert attn.default_num_splits(8, 32768, 132) == 33  # batch 1, 8 KV heads
+    assert attn.default_num_splits(256, 32768, 132) == 2
+    assert attn.default_num_splits(1, 10**6, 132) == attn.MAX_SPLITS
+    assert attn.default_num_splits(8, 500, 132) == 1
+
+
+@interpreter_only
 def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpreted,
                                                                         monkeypatch) -> None:
     """The drafting backend over the shared compressed pool (pages, exact window, draft tail)
@@ -130,10 +191,9 @@ def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpre
         setup.request(row, torch.randint(0, 49152, (n,), generator=gen).tolist())
     expected = setup.draft_step(setup.backend, [1, 2, 3], committed)
 
-    # the dispatch's non-CUDA path, with Triton in the reference's place: the pages and exact
-    # window in the kernel, the round's tail merged after it
-    monkeypatch.setattr(vericache_kernels, "decode_attention_cpu", lambda *args: None)
-    monkeypatch.setattr(vericache_kernels, "decode_attention_ref",
+    # the dispatch's CPU path, with Triton in the CPU kernel's place: as on CUDA, the pages,
+    # exact window and round's tail in one launch
+    monkeypatch.setattr(vericache_kernels, "decode_attention_cpu",
                         attention_triton.decode_attention_triton)
     outs = setup.draft_step(setup.backend, [1, 2, 3], committed)
     for out, ref in zip(outs, expected, strict=True):
