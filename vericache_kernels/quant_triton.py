@@ -25,7 +25,8 @@ def _quantize_pack_kernel(
 ):
     # One program: BLOCK_R rows x one group, seen as [rows, bytes of the group, lanes of a byte].
     group_id = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # int64: a layer's keys of a long batch pass 2**31 elements
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     byte = tl.arange(0, BLOCK_B)
     lane = tl.arange(0, PER_BYTE)
     within = byte[:, None] * PER_BYTE + lane[None, :]
@@ -38,11 +39,13 @@ def _quantize_pack_kernel(
     hi = tl.where(row_ok, hi, 0.0)
     lo = tl.where(row_ok, lo, 0.0)
     qmax = (1 << BITS) - 1
-    scale = ((hi - lo) / qmax).to(tl.float16)
+    # div_rn: IEEE division as torch does; `/` compiles to an approximate one on a GPU, which
+    # moved a few codes per million across a rounding boundary (device check, H200)
+    scale = tl.div_rn(hi - lo, tl.full([BLOCK_R], qmax, tl.float32)).to(tl.float16)
     zero = lo.to(tl.float16)
     step = scale.to(tl.float32)
     step = tl.where(step > 0, step, 1.0)
-    q = tl.floor((x - zero.to(tl.float32)[:, None, None]) / step[:, None, None] + 0.5)
+    q = tl.floor(tl.div_rn(x - zero.to(tl.float32)[:, None, None], step[:, None, None]) + 0.5)
     q = tl.minimum(tl.maximum(q, 0.0), qmax).to(tl.int32)
     packed = tl.sum(q << (lane * BITS)[None, None, :], 2)
     bytes_per_group = GROUP // PER_BYTE
@@ -60,7 +63,7 @@ def _dequantize_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, OUT_BF16: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     byte = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     lane = tl.arange(0, PER_BYTE)
     n_bytes = row_len // PER_BYTE
