@@ -22,6 +22,7 @@ On a CPU the kernel section compares the CPU kernel with the reference instead (
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import platform
@@ -185,6 +186,19 @@ def close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torc
                (got[1][finite] - want[1][finite]).abs().max().item() if finite.any() else 0.0)
 
 
+def triton_variants(splits: bool) -> list[dict]:
+    """Keyword sets of the Triton decode-attention kernel to check (`splits`: over split
+    counts too) or time; the first is the default call."""
+    from vericache_kernels.attention_triton import decode_attention_triton
+
+    variants = [{}, {"block_n": 32}]
+    if "mma" in inspect.signature(decode_attention_triton).parameters:
+        variants += [{"mma": True}, {"mma": True, "block_n": 32}]
+    if splits:
+        variants += [{"num_splits": 1}, {"num_splits": 3}]
+    return variants
+
+
 # -- sections ----------------------------------------------------------------------------------
 def check_kernels(device: torch.device) -> dict:
     """Triton (CUDA) or CPU kernels against the torch reference: quantization bit for bit against
@@ -228,18 +242,19 @@ def check_kernels(device: torch.device) -> dict:
             want = merge_attention([decode_attention_ref(q, paged, k_res, v_res, res_lengths,
                                                          scale),
                                     tail_attention_ref(q, *tail, scale)])
-            for splits in ((1, 3, None) if device.type == "cuda" else (None,)):
+            for variant in (triton_variants(splits=True) if device.type == "cuda"
+                            else [{}]):
                 if device.type == "cuda":
                     from vericache_kernels.attention_triton import decode_attention_triton
 
                     got = decode_attention_triton(q, paged, k_res, v_res, res_lengths, scale,
-                                                  tail, num_splits=splits)
+                                                  tail, **variant)
                 else:
                     got = kernels.decode_attention(q, paged, k_res, v_res, res_lengths, scale,
                                                    tail)
                 err = close(got, want)
                 cases.append({"kernel": "decode_attention", "bits": bits, "kv_heads": heads,
-                              "group_size": group_size, "head_dim": dim, "splits": splits,
+                              "group_size": group_size, "head_dim": dim, **variant,
                               "max_abs_diff": err, "ok": err < 1e-3})
     failed = [c for c in cases if not c["ok"]]
     return {"cases": cases, "passed": len(cases) - len(failed), "failed": len(failed)}
@@ -311,13 +326,15 @@ def time_attention_row(device: torch.device, sizes: Sizes, context: int, batch: 
     if device.type == "cuda":
         from vericache_kernels.attention_triton import decode_attention_triton
 
-        for block_n in (32, 64):
-            row[f"packed_s_block{block_n}"] = timed(
-                lambda block_n=block_n: decode_attention_triton(
-                    q, paged, k_res, v_res, res_lengths, scale, tail, block_n=block_n),
+        for variant in triton_variants(splits=False)[1:]:
+            row["packed_s_" + "_".join(f"{k}{v}" for k, v in variant.items())] = timed(
+                lambda variant=variant: decode_attention_triton(
+                    q, paged, k_res, v_res, res_lengths, scale, tail, **variant),
                 device, reps)
-    best = min(t for key, t in row.items() if key.startswith("packed_s"))
-    row.update(packed_best_s=best, speedup=row["dense_s"] / best,
+    best_key = min((key for key in row if key.startswith("packed_s")), key=row.get)
+    best = row[best_key]
+    row.update(packed_best_s=best, packed_best=best_key.removeprefix("packed_s").strip("_")
+               or "default", speedup=row["dense_s"] / best,
                dense_gbps=row["dense_bytes"] / row["dense_s"] / 1e9,
                packed_gbps=row["packed_bytes"] / best / 1e9,
                step_dense_s=row["dense_s"] * sizes.layers, step_packed_s=best * sizes.layers)
@@ -418,7 +435,8 @@ def summary(report: Report) -> None:
         report.text("\none layer's draft-step attention, 4-bit packed pages + window + tail "
                     "(Triton) vs dense bf16 (SDPA); model = bytes / measured HBM GB/s")
         report.text(f"{'context':>8} {'batch':>5} {'dense ms':>9} {'model':>7} {'packed ms':>9} "
-                    f"{'model':>7} {'speedup':>7} {'dense GB/s':>10} {'packed GB/s':>11}")
+                    f"{'model':>7} {'speedup':>7} {'dense GB/s':>10} {'packed GB/s':>11}  "
+                    "best variant")
         for row in attention["rows"]:
             if "packed_best_s" not in row:
                 why = row.get("skipped") or row["error"].strip().splitlines()[-1]
@@ -430,7 +448,8 @@ def summary(report: Report) -> None:
                 f"{guess.get('dense_measured_s', math.nan) * 1e3:>7.3f} "
                 f"{row['packed_best_s'] * 1e3:>9.3f} "
                 f"{guess.get('packed_measured_s', math.nan) * 1e3:>7.3f} "
-                f"{row['speedup']:>6.2f}x {row['dense_gbps']:>10.1f} {row['packed_gbps']:>11.1f}")
+                f"{row['speedup']:>6.2f}x {row['dense_gbps']:>10.1f} {row['packed_gbps']:>11.1f}  "
+                f"{row['packed_best']}")
     copy = sections["copy"]
     if copy["ok"]:
         report.text(f"\ncopy engine: H2D {copy['h2d_gbps']:.1f} GB/s (event-timed), "

@@ -189,9 +189,9 @@ def fit_compressed_pool(original, configurator: Any, token_capacity: int) -> int
         return tokens
     if config.host_placement and str(configurator.device).startswith("cuda"):
         raise startup.scheduler_error(
-            f"--vericache-full-tier {config.vericache_full_tier} is built for "
-            "CPU serving so far (the pinned host pool and its copy stream are not): use "
-            "--vericache-full-tier device")
+            f"--vericache-full-tier {config.vericache_full_tier} has served on CPUs "
+            "only: its copy engine passed the device check on an H200, but no server has "
+            "streamed the full KV through it on a GPU yet: use --vericache-full-tier device")
     try:
         plan = plan_device_budget(config, _geometry(configurator), tokens,
                                   server_args.max_running_requests, memory_tokens=token_capacity)

@@ -1,8 +1,10 @@
 """`--vericache-full-tier auto` (the default): where the full KV lives, chosen at startup.
 
-- **A GPU (or any device but a CPU): `device`.** The host tier's GPU path (a pinned host
-  pool, a copy stream, one event per layer) has not run on a GPU yet; until it has, the full KV
-  stays in SGLang's own device pool beside the compressed pool.
+- **A GPU (or any device but a CPU): `device`.** The host tier's copy engine (pinned gather
+  buffers, a copy stream, one event per layer; `tiers/copy_engine.py`) passed the device check
+  on an H200, but no server has streamed the full KV through it on a GPU yet, and the
+  performance model (docs/perfmodel.md) predicts a host link slower than HBM wherever the full
+  KV fits the device: the full KV stays in SGLang's own device pool beside the compressed pool.
 - **SGLang's hierarchical cache with a storage backend: `host`.** The full KV then lives in
   one host pool, VeriCache's host tier, and SGLang's host memory only stages pages to and from
   the store (`tiers/disk.py`); with `device`, SGLang's own host pool would hold a second copy
@@ -35,8 +37,8 @@ def choose(server_args: Any) -> tuple[str, str]:
     config = get_config(server_args)
     device = server_args.device or ("cuda" if get_platform().is_cuda else "cpu")
     if device != "cpu":
-        return "device", (f"on {device} the host tier's copy engine has not run yet, so the "
-                          "full KV stays in SGLang's device pool")
+        return "device", (f"on {device} no server has streamed the full KV from the host tier "
+                          "yet, so it stays in SGLang's device pool")
     if config.vericache_full_tier_budget is not None or config.vericache_staging_budget is not None:
         return "host", "--vericache-full-tier-budget or --vericache-staging-budget sizes it"
     if server_args.enable_hierarchical_cache and server_args.hicache_storage_backend is not None:
