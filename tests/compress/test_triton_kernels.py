@@ -67,6 +67,8 @@ def interpreted():
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MMA = pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
+"""Both inner paths: CUDA-core products per token block, tl.dot over whole pages."""
 
 
 @interpreter_only
@@ -91,15 +93,16 @@ def test_quantize_and_dequantize_equal_reference(interpreted, bits, dtype, rows,
 @pytest.mark.parametrize(("bits", "heads", "group_size", "dim", "group"),
                          [(2, 2, 3, 24, 8), (4, 1, 4, 16, 4), (8, 3, 1, 32, 16)])
 @pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16], ids=str)
+@MMA
 def test_decode_attention_equals_reference(interpreted, bits, heads, group_size, dim, group,
-                                           res_dtype):
+                                           res_dtype, mma):
     _, attn = interpreted
     res = 5
     q, packed, k_res, v_res = ragged_inputs(bits, heads, group_size, dim, group, res_dtype, res,
                                             seed=bits * 7 + dim)
     for quant_part, res_lengths in ((packed, [res, 2, 0]), (None, [0, res, 3])):
         lengths = torch.tensor(res_lengths)
-        got = attn.decode_attention_triton(q, quant_part, k_res, v_res, lengths, 0.3)
+        got = attn.decode_attention_triton(q, quant_part, k_res, v_res, lengths, 0.3, mma=mma)
         want = decode_attention_ref(q, quant_part, k_res, v_res, lengths, 0.3)
         assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
         assert torch.allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
@@ -110,18 +113,20 @@ def test_decode_attention_equals_reference(interpreted, bits, heads, group_size,
 
 @interpreter_only
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_paged_decode_attention_equals_reference(interpreted, bits):
+@MMA
+def test_paged_decode_attention_equals_reference(interpreted, bits, mma):
     """The shuffled pool of test_paged_attention: pages found through the table, none other read."""
     _, attn = interpreted
     case = paged_case(bits)
     args = (case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
-    assert_close(attn.decode_attention_triton(*args), decode_attention_ref(*args))
+    assert_close(attn.decode_attention_triton(*args, mma=mma), decode_attention_ref(*args))
 
 
 @interpreter_only
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group_size", [1, 4])
-def test_tail_in_the_launch_equals_the_reference_merge(interpreted, bits, group_size):
+@MMA
+def test_tail_in_the_launch_equals_the_reference_merge(interpreted, bits, group_size, mma):
     """Pages + residual + a tail whose query heads see different counts (0 too), in one launch,
     equal the reference parts merged; request 2 has nothing at all, and tail slots no head
     sees hold NaN (a round's unwritten scratch), so reading one would show."""
@@ -145,7 +150,7 @@ def test_tail_in_the_launch_equals_the_reference_merge(interpreted, bits, group_
                             tail_attention_ref(q, *tail, 0.3)])
     for splits, block_n in ((1, 16), (3, 32), (None, 64)):
         got = attn.decode_attention_triton(q, paged, k_res, v_res, res_lengths, 0.3, tail,
-                                           num_splits=splits, block_n=block_n)
+                                           num_splits=splits, block_n=block_n, mma=mma)
         assert_close(got, want)
     assert torch.equal(got[0][2], torch.zeros_like(got[0][2]))
     assert torch.all(got[1][2] == float("-inf"))
@@ -153,14 +158,15 @@ def test_tail_in_the_launch_equals_the_reference_merge(interpreted, bits, group_
 
 @interpreter_only
 @pytest.mark.parametrize("splits", [1, 3])
-def test_split_context_equals_reference(interpreted, splits):
+@MMA
+def test_split_context_equals_reference(interpreted, splits, mma):
     """The shuffled pool cut into splits: ranges that straddle pages and the residual, and
     splits with no token (short and empty requests), merge to the reference. The default
     (2 splits on this pool) runs in test_paged_decode_attention_equals_reference."""
     _, attn = interpreted
     case = paged_case(4)
     args = (case.q, case.paged, case.k_res, case.v_res, case.res_lengths, SCALE)
-    assert_close(attn.decode_attention_triton(*args, num_splits=splits),
+    assert_close(attn.decode_attention_triton(*args, num_splits=splits, mma=mma),
                  decode_attention_ref(*args))
 
 
