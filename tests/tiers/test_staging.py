@@ -3,7 +3,6 @@ through a bounded set of device buffers (tiers/staging.py)."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -64,8 +63,10 @@ def test_units_hold_each_requests_prefix_in_order(full_pool):
 def test_the_copier_runs_at_most_depth_units_ahead(full_pool):
     staging = StagingArea(full_pool, unit_tokens=64, depth=2, device="cpu")
     fetch = staging.start(staging.plan(_rows(50), [1]))
-    time.sleep(0.3)
-    assert sum(u.done.is_set() for u in fetch.units) == 2  # of 3 layers' units
+    # of 3 layers' units, the first two fill both buffers; the third waits for a release
+    # however long it is given (no fixed sleep: a slow machine only makes this test slower)
+    assert fetch.units[0].done.wait(30) and fetch.units[1].done.wait(30)
+    assert not fetch.units[2].done.wait(0.5)
     staging.release(staging.wait(fetch.units[0]))
     staging.wait(fetch.units[2])  # the freed buffer takes the third
     staging.drain(fetch)
