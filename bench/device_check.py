@@ -367,10 +367,11 @@ def time_copy(device: torch.device, sizes: Sizes) -> dict:
     return result
 
 
-def measure_profile(device: torch.device, small: bool, copy: dict) -> perfmodel.Hardware:
+def measure_profile(device: torch.device, small: bool, sections: dict) -> perfmodel.Hardware:
     """This device as a performance-model profile: HBM GB/s from a device-to-device copy (read
-    plus write), dense bf16 FLOP/s from a square GEMM, the host link from the copy section; the
-    rest from the H200 preset."""
+    plus write), dense bf16 FLOP/s from a square GEMM, the host link from the copy section, the
+    packed kernel's read rate from the attention section's largest case; the rest from the
+    H200 preset."""
     n = (4 << 20) if small else (1 << 30)
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
@@ -380,8 +381,14 @@ def measure_profile(device: torch.device, small: bool, copy: dict) -> perfmodel.
     gemm_s = timed(lambda: a @ b, device, 10)
     measured = {"name": f"measured {device.type}", "hbm_gbps": 2 * src.nbytes / copy_s / 1e9,
                 "dense_tflops": 2 * size**3 / gemm_s / 1e12}
+    copy = sections.get("copy", {})
     if copy.get("ok"):
         measured["host_link_gbps"] = copy["h2d_gbps"]
+    timed_rows = [r for r in sections.get("attention", {}).get("rows", [])
+                  if "packed_gbps" in r]
+    if timed_rows:
+        measured["packed_read_gbps"] = max(timed_rows, key=lambda r: r["packed_bytes"])[
+            "packed_gbps"]
     return perfmodel.Hardware.from_measured(measured, base=perfmodel.HARDWARE["h200"])
 
 
@@ -389,7 +396,7 @@ def compare_model(device: torch.device, small: bool, sections: dict) -> dict:
     """The performance model's figures next to the measured ones: each attention time as the
     bytes it reads over HBM bandwidth (preset and measured), the copy as its bytes over the host
     link, and the model's decode predictions with the measured profile."""
-    measured = measure_profile(device, small, sections.get("copy", {}))
+    measured = measure_profile(device, small, sections)
     preset = perfmodel.HARDWARE["h200"]
     rows = []
     for row in sections.get("attention", {}).get("rows", []):
@@ -459,7 +466,8 @@ def summary(report: Report) -> None:
         profile = model["profile"]
         report.text(f"\nmeasured profile: HBM {profile['hbm_gbps']:.0f} GB/s, host link "
                     f"{profile['host_link_gbps']:.1f} GB/s, {profile['dense_tflops']:.3g} "
-                    "TFLOP/s bf16\n")
+                    f"TFLOP/s bf16, packed KV read at {profile['packed_read_gbps']:.0f} GB/s "
+                    "(the attention section's largest case)\n")
         report.text(model["table"])
     (report.out / "device_check.txt").write_text("\n".join(report.lines) + "\n")
 

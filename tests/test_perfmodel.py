@@ -73,6 +73,20 @@ def test_vericache_device_tier_by_hand():
     assert p.tokens_per_s == pytest.approx(4 / (DRAFT_S + VERIFY_S))
 
 
+def test_a_slow_packed_kernel_by_hand():
+    # Drafting's compressed reads at 100 GB/s instead of HBM's 1e12 B/s: each draft step reads
+    # its 2e9 weights (+ 2000 j tail bytes) from HBM, 2 ms + 2 ns * j, and 0.5e9 compressed
+    # bytes at 1e11 B/s, 5 ms: four steps 28 ms + 12 ns; plain is untouched.
+    slow = replace(MACHINE, packed_read_gbps=100)
+    device = replace(LOAD, full_tier="device")
+    draft_s = 4 * (2e-3 + 5e-3) + 2e-9 * (0 + 1 + 2 + 3)
+    assert pm.predict_vericache(TOY, slow, device).step_s == pytest.approx(draft_s + VERIFY_S)
+    assert pm.predict_plain(TOY, slow, LOAD) == pm.predict_plain(TOY, MACHINE, LOAD)
+    assert Hardware.from_measured({"packed_read_gbps": 100}, base=MACHINE) == slow
+    with pytest.raises(ValueError, match="packed_read_gbps"):
+        replace(MACHINE, packed_read_gbps=0)
+
+
 def test_vericache_host_tier_by_hand():
     # The stream (0.2 s) starts with drafting; the staging area (4 units of one request's layer:
     # 4 * 1e6 * 1000 / 4 = 1e9 B, 0.1 s of link) outlasts drafting (10 ms), so 10 ms of it

@@ -82,18 +82,23 @@ class Hardware:
     host_link_gbps: float
     network_gbps: float
     dense_tflops: float
+    packed_read_gbps: float | None = None
+    """How fast drafting's attention reads the compressed KV, when a kernel is measured slower
+    than HBM (the device check's packed GB/s); None: at HBM bandwidth, dequantization free."""
 
     def __post_init__(self) -> None:
         _positive("Hardware", hbm_gbps=self.hbm_gbps, hbm_gb=self.hbm_gb,
                   host_link_gbps=self.host_link_gbps, network_gbps=self.network_gbps,
                   dense_tflops=self.dense_tflops)
+        if self.packed_read_gbps is not None:
+            _positive("Hardware", packed_read_gbps=self.packed_read_gbps)
 
     @classmethod
     def from_measured(cls, measured: dict, base: Hardware | None = None) -> Hardware:
         """A profile from measured figures, keyed by this class's field names (`hbm_gbps`,
-        `hbm_gb`, `host_link_gbps`, `network_gbps`, `dense_tflops`, optional `name`); a key
-        left out is taken from `base`. Unknown keys raise: a misspelt key would otherwise
-        silently keep the preset's figure."""
+        `hbm_gb`, `host_link_gbps`, `network_gbps`, `dense_tflops`, optional `name` and
+        `packed_read_gbps`); a key left out is taken from `base`. Unknown keys raise: a
+        misspelt key would otherwise silently keep the preset's figure."""
         if not isinstance(measured, dict):
             raise ValueError(f"Hardware.from_measured takes a dict, got {type(measured).__name__}")
         names = [f.name for f in fields(cls)]
@@ -102,7 +107,7 @@ class Hardware:
             raise ValueError(f"Hardware.from_measured: unknown keys {unknown}; expected {names}")
         values = {**({f: getattr(base, f) for f in names} if base else {"name": "measured"}),
                   **measured}
-        missing = [n for n in names if n not in values]
+        missing = [n for n in names if n not in values and n != "packed_read_gbps"]
         if missing:
             raise ValueError(f"Hardware.from_measured: missing keys {missing} (or pass base=)")
         return cls(**values)
@@ -178,10 +183,12 @@ def _full(g: Geometry, w: Workload) -> float:
 
 
 def forward_seconds(g: Geometry, hw: Hardware, tokens: float, context: float,
-                    kv_bytes: float) -> float:
+                    kv_bytes: float, packed_bytes: float = 0.0) -> float:
     """One forward of `tokens` query tokens (over the batch) attending to `context` keys each:
-    the longer of reading the weights and `kv_bytes` from HBM and its FLOPs."""
-    return max((g.weight_bytes + kv_bytes) / (hw.hbm_gbps * GB),
+    the longer of its reads (the weights and `kv_bytes` from HBM, `packed_bytes` of compressed
+    KV at `hw.packed_read_gbps`) and its FLOPs."""
+    packed_gbps = hw.packed_read_gbps or hw.hbm_gbps
+    return max((g.weight_bytes + kv_bytes) / (hw.hbm_gbps * GB) + packed_bytes / (packed_gbps * GB),
                tokens * g.flops_per_token(context) / (hw.dense_tflops * 1e12))
 
 
@@ -260,8 +267,8 @@ def predict_vericache(g: Geometry, hw: Hardware, w: Workload) -> Prediction:
     area can fill ahead of the verify forward (a buffer is reused once verify released it);
     the rest streams under the verify forward, layer by layer, as in `predict_streamed`."""
     full = _full(g, w)
-    draft = sum(forward_seconds(g, hw, w.batch, w.context + j,
-                                w.batch * (w.context * w.compressed_bytes_per_token + j * full))
+    draft = sum(forward_seconds(g, hw, w.batch, w.context + j, w.batch * j * full,
+                                w.batch * w.context * w.compressed_bytes_per_token)
                 for j in range(w.k))
     verify = forward_seconds(g, hw, w.batch * (w.k + 1), w.context, w.batch * w.context * full)
     link = 0.0
