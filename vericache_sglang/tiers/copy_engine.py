@@ -194,11 +194,7 @@ class CopyEngine:
         """Make the current stream wait until copy `key` landed (on a CPU it already has);
         the host does not block."""
         with self._lock:
-            ticket = self._tickets.get(key)
-            if ticket is None:
-                raise CopyOrderError(f"wait for copy {key!r}, which was never issued")
-            if ticket.released:
-                raise CopyOrderError(f"wait for copy {key!r} after its buffer was released")
+            ticket = self._unreleased(key, "wait for", "after its buffer was released")
             if ticket.waited:
                 raise CopyOrderError(f"copy {key!r} waited on twice")
             ticket.waited = True
@@ -209,17 +205,22 @@ class CopyEngine:
         """The forward queued its last read of copy `key`'s destinations: a later copy into them
         may run once those reads are done."""
         with self._lock:
-            ticket = self._tickets.get(key)
-            if ticket is None:
-                raise CopyOrderError(f"release of copy {key!r}, which was never issued")
-            if ticket.released:
-                raise CopyOrderError(f"copy {key!r} released twice")
+            ticket = self._unreleased(key, "release", "released twice")
             ticket.released = True
             if self.cuda:
                 reads_done = torch.cuda.Event()
                 reads_done.record(torch.cuda.current_stream(self.device))
                 for storage in ticket.dst_storages:
                     self._reads_done[storage] = reads_done
+
+    def _unreleased(self, key: Hashable, action: str, if_released: str) -> Ticket:
+        """Copy `key`'s ticket, refused if it was never issued or is released (lock held)."""
+        ticket = self._tickets.get(key)
+        if ticket is None:
+            raise CopyOrderError(f"{action} copy {key!r}, which was never issued")
+        if ticket.released:
+            raise CopyOrderError(f"{action} copy {key!r}: {if_released}")
+        return ticket
 
     # -- accounting ---------------------------------------------------------------------------
     def take_stats(self) -> CopyStats:
