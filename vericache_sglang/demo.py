@@ -23,8 +23,9 @@ from vericache_sglang.speculative.meta_info import (
 )
 
 NOT_BUILT_YET = (
-    "Not built yet: a remote full tier, the pinned host pool and copy stream of the host tier "
-    "on a GPU, drafting for requests with a custom logit processor (they take one plain step "
+    "Not built yet: a remote full tier, a server streaming the host tier's full KV on a GPU "
+    "(its copy engine is built and passed the device check; the server path has not run "
+    "there), drafting for requests with a custom logit processor (they take one plain step "
     "per round; their batch still drafts), and the overlap scheduler."
 )
 
