@@ -91,10 +91,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.module in late)
 
 
+PLAIN_ARGS = [*SERVER_ARGS, "--disable-overlap-schedule"]
+"""Plain SGLang as VeriCache runs it: VeriCache implies --disable-overlap-schedule, and SGLang's
+overlap scheduler prepares step n+1 before it records step n's token, so its penalties count
+the output one token late (greedy output under penalties differs with and without it).
+test_identity.py checks that plain SGLang's default, overlap on, gives VeriCache's tokens for
+requests without penalties."""
+
+
 @pytest.fixture(scope="session")
 def plain_server(demo_model: Path) -> Iterator[ServerProcess]:
     """Plain SGLang, float32: the reference every VeriCache output must equal."""
-    with ServerProcess(demo_model, SERVER_ARGS) as server:
+    with ServerProcess(demo_model, PLAIN_ARGS) as server:
         yield server
 
 

@@ -173,7 +173,7 @@ def test_logprob_requests_draft(vericache_server, plain, prompt_ids):
     assert_logprobs_equal(out, want)
 
 
-def test_penalties_bias_and_requests_that_cannot_draft_share_a_batch(vericache_server,
+def test_penalties_bias_and_requests_that_cannot_draft_share_a_batch(vericache_server, plain,
                                                                      demo_model, prompt_ids):
     """One batch of requests that draft (greedy; logprobs; frequency and presence penalties,
     and a repetition penalty, with logprobs; logit bias; min_new_tokens) and one that cannot
@@ -181,11 +181,11 @@ def test_penalties_bias_and_requests_that_cannot_draft_share_a_batch(vericache_s
     SGLang's, all but the last draft, and the counters add up to the tokens really drafted,
     accepted and emitted, the plain steps being the custom-processor request's.
 
-    The reference is plain SGLang with --disable-overlap-schedule, which VeriCache implies:
-    SGLang's overlap scheduler prepares step n+1 before it records step n's token, so its
-    penalties count the output one token late, and greedy output under penalties differs with
-    and without it. The repetition penalty has a request of its own: SGLang applies a batch's
-    penalizers in an order that differs from process to process (penalties.py), which moves a
+    The reference is the session's plain SGLang, with --disable-overlap-schedule as VeriCache
+    implies (conftest.PLAIN_ARGS). Plain SGLang's default, the overlap scheduler, answers the
+    requests without penalizers too, and must give the same tokens and logprobs. The
+    repetition penalty has a request of its own: SGLang applies a batch's penalizers in an
+    order that differs from process to process (penalties.py), which moves a
     repetition-and-frequency request's logprobs by up to ~1e-3 between two plain servers."""
     requests_ = {
         "greedy": payload(prompt_ids["heapq_400"], "code", max_new_tokens=48),
@@ -205,14 +205,21 @@ def test_penalties_bias_and_requests_that_cannot_draft_share_a_batch(vericache_s
             "custom_logit_processor": DisallowedTokensLogitsProcessor.to_str(),
             **LOGPROB_PARAMS},
     }
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--disable-overlap-schedule"]) as server:
-        expected = dict(zip(requests_, send_all(server, list(requests_.values())), strict=True))
+    expected = dict(zip(requests_, plain.all(list(requests_.values())), strict=True))
+    unpenalized = ("greedy", "logprobs", "logit_bias", "custom_processor")
+    with ServerProcess(demo_model, SERVER_ARGS) as server:
+        overlapped = dict(zip(unpenalized, send_all(server, [requests_[name] for name in
+                                                           unpenalized]), strict=True))
     before = vericache_metrics(vericache_server)
     got = dict(zip(requests_, send_all(vericache_server, list(requests_.values())), strict=True))
     after = vericache_metrics(vericache_server)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     for name, out in got.items():
         assert out["output_ids"] == expected[name]["output_ids"], name
+    for name, out in overlapped.items():
+        assert got[name]["output_ids"] == out["output_ids"], name
+    for name in ("logprobs", "custom_processor"):
+        assert_logprobs_equal(got[name], overlapped[name])
     for name in ("logprobs", "penalties", "repetition", "custom_processor"):
         assert_logprobs_equal(got[name], expected[name])
     for name in ("greedy", "logprobs", "penalties", "repetition", "logit_bias",
