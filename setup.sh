@@ -27,22 +27,24 @@ stamp_inputs=(pyproject.toml requirements/cpu.txt setup.sh)
 stamp="$VENV/.vericache-setup-$MODE-$(cat "${stamp_inputs[@]}" | sha256sum | cut -c1-16)"
 start=$(date +%s)
 
-# Mooncake (SGLang's KV store, HiCache's L3 tier) links libibverbs even when it runs over TCP.
-# Installed only where missing; without apt (or root) the Mooncake tests skip and say why.
-ibverbs=(libibverbs1 ibverbs-providers)
-ibverbs_missing=()
-for pkg in "${ibverbs[@]}"; do
+# Debian packages, installed only where missing: Mooncake (SGLang's KV store, HiCache's L3
+# tier) links libibverbs even when it runs over TCP; the emulated network link of the remote
+# store tests (vericache_sglang/stores/shaped_link.py) needs `ip` and `tc`. Without apt (or
+# root) those tests skip and say why.
+debian=(libibverbs1 ibverbs-providers iproute2)
+debian_missing=()
+for pkg in "${debian[@]}"; do
     [ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" = "install ok installed" ] \
-        || ibverbs_missing+=("$pkg")
+        || debian_missing+=("$pkg")
 done
-if [ ${#ibverbs_missing[@]} -gt 0 ]; then
+if [ ${#debian_missing[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-        log "installing ${ibverbs_missing[*]} (apt-get) for the Mooncake store"
-        apt_install() { apt-get install -y -q --no-install-recommends "${ibverbs_missing[@]}"; }
+        log "installing ${debian_missing[*]} (apt-get) for the Mooncake store and the emulated link"
+        apt_install() { apt-get install -y -q --no-install-recommends "${debian_missing[@]}"; }
         { apt_install || { apt-get update -q && apt_install; }; } >/dev/null 2>&1 \
-            || log "apt-get could not install ${ibverbs_missing[*]}: Mooncake tests will skip"
+            || log "apt-get could not install ${debian_missing[*]}: the tests needing them will skip"
     else
-        log "${ibverbs_missing[*]} missing and apt-get unavailable (or not root): Mooncake tests will skip"
+        log "${debian_missing[*]} missing and apt-get unavailable (or not root): the tests needing them will skip"
     fi
 fi
 
