@@ -31,6 +31,13 @@ MOONCAKE_DATA_PORTS = range(int(PORT_ENV["MC_MIN_RPC_PORT"]),
 
 UNSHAPED_RATE = "100gbit"
 
+LAN_ADDRESS = "10.213.0.1/24"
+"""A private address on a veth pair inside the namespace, and the namespace's default route
+through it: Mooncake's transfer engine will not start without a non-loopback interface ("not
+valid LAN address found"), and SGLang finds its own address by routing towards a public one
+(`get_local_ip_by_remote`). Both pair ends stay inside: nothing leaves the namespace, and
+traffic to this address is local, on the namespace's loopback, shaped like the rest."""
+
 
 def port_masks(ports: range) -> list[tuple[int, int]]:
     """The (value, mask) pairs whose matches are exactly `ports` (step 1): the range cut into
@@ -89,6 +96,12 @@ class ShapedLink:
         try:
             inside = ["ip", "netns", "exec", self.name]
             self._run(*inside, "ip", "link", "set", "lo", "up")
+            self._run(*inside, "ip", "link", "add", "vclan0", "type", "veth", "peer", "name",
+                      "vclan1")
+            self._run(*inside, "ip", "addr", "add", LAN_ADDRESS, "dev", "vclan0")
+            for end in ("vclan0", "vclan1"):
+                self._run(*inside, "ip", "link", "set", end, "up")
+            self._run(*inside, "ip", "route", "add", "default", "dev", "vclan0")
             tc = [*inside, "tc"]
             self._run(*tc, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb",
                       "default", "20")
