@@ -20,8 +20,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import CompressedKV, Compressor
+from vericache_sglang.compress.attention_probs import causal_attention_probs
 
 ATTENTION = "vericache_eval"
 # (module, query [B, Hq, q, D], key [B, H, k, D], value, scaling) -> output [B, q, Hq, D] or None

@@ -31,7 +31,7 @@ def test_built_draft_model_agrees_with_the_target(tmp_path, demo_models):
     dest = distill.build_draft_model(demo_models.target, tmp_path / "draft")
     assert (dest / models.COMPLETE_MARKER).is_file()
     config = json.loads((dest / "config.json").read_text())
-    recipe = distill.load_recipe()
+    recipe = models.load_recipe()
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_hidden_layers"] == recipe.copied_layers + recipe.trained_layers < 30
     draft, token_ids = load_draft_model(dest, "cpu", torch.float32)

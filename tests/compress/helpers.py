@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import CompressedKV, parse_compressor_spec
+from vericache_sglang.compress.attention_probs import causal_attention_probs
 
 HELD_OUT = 16
 """Prompt tokens held out of compression; their real queries probe the compressed prefix."""

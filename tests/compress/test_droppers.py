@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vericache_sglang.attention.probs import causal_attention_probs
 from vericache_sglang.compress import DroppedKV, TokenDropper, param, parse_compressor_spec
+from vericache_sglang.compress.attention_probs import causal_attention_probs
 
 from .helpers import HELD_OUT, attention, budget, compress_prefix, prefix_scores
 

@@ -27,7 +27,7 @@ from tests.conftest import vericache_server_args
 from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.sampling import (
     SamplingRows,
-    check_proposal,
+    check_proposals,
     chosen_tokens,
     draft_tokens,
     filtered_probs,
@@ -502,7 +502,7 @@ def test_checked_proposals_follow_level_ones_distribution(params):
     q = filtered_probs(softmax_probs(logits, taken), taken)
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for _ in range(20000):
-        added, probs = check_proposal(logits, taken, positions, proposal)
+        added, probs = check_proposals(logits, taken, positions, [proposal])[0]
         torch.testing.assert_close(probs, q[: len(added)])
         first[added[0]] += 1
         if added[0] == proposal[0]:
@@ -514,7 +514,35 @@ def test_checked_proposals_follow_level_ones_distribution(params):
 def test_greedy_check_keeps_the_proposals_equal_to_its_argmax():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
     rows = make_rows([0.0]).take(torch.zeros(3, dtype=torch.int64))
-    assert check_proposal(logits, rows, torch.arange(3), [1, 0]) == ([1, 0, 2], None)
-    assert check_proposal(logits, rows, torch.arange(3), [1, 2]) == ([1, 0], None)
-    assert check_proposal(logits[:1], rows.take(torch.zeros(1, dtype=torch.int64)),
-                          torch.arange(1), []) == ([1], None)
+    assert check_proposals(logits, rows, torch.arange(3), [[1, 0]])[0] == ([1, 0, 2], None)
+    assert check_proposals(logits, rows, torch.arange(3), [[1, 2]])[0] == ([1, 0], None)
+    assert check_proposals(logits[:1], rows.take(torch.zeros(1, dtype=torch.int64)),
+                           torch.arange(1), [[]])[0] == ([1], None)
+
+
+def test_several_requests_checked_at_once_equal_each_checked_alone():
+    """Greedy requests' proposals of different lengths (none kept, some, all) checked in one
+    call, beside a sampling request: each greedy result is the one its own call gives."""
+    torch.manual_seed(0)
+    vocab = 8
+    proposals = [[], [3, 1, 4], [5], [2, 2]]
+    widths = [len(p) + 1 for p in proposals]
+    logits = torch.randn(sum(widths), vocab) * 3
+    # Request 1 keeps its whole proposal, request 3 its first token only.
+    starts = [sum(widths[:r]) for r in range(len(proposals))]
+    for r in (1, 3):
+        for j, token in enumerate(proposals[r][:len(proposals[r]) if r == 1 else 1]):
+            logits[starts[r] + j, token] = 50.0
+    request_rows = make_rows([0.0, 0.0, 1.0, 0.0])
+    owner = torch.repeat_interleave(torch.arange(len(proposals)), torch.tensor(widths))
+    rows = request_rows.take(owner)
+    positions = torch.arange(sum(widths))
+    together = check_proposals(logits, rows, positions, proposals)
+    for r in (0, 1, 3):
+        span = torch.arange(starts[r], starts[r] + widths[r])
+        alone = check_proposals(logits[span], rows.take(span), positions[span], [proposals[r]])
+        assert together[r] == alone[0]
+    assert together[1][0][:3] == proposals[1] and together[3][0][0] == proposals[3][0]
+    assert together[3][0][1] != proposals[3][1] or len(together[3][0]) == 3
+    added, q = together[2]
+    assert q is not None and len(added) == q.shape[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from vericache_sglang.attention.probs import causal_attention_probs
+from vericache_sglang.compress.attention_probs import causal_attention_probs
 from vericache_sglang.tiers.compressed import CompressedTier
 
 

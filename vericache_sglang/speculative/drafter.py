@@ -22,14 +22,10 @@ import torch
 
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.cpu.few_rows import few_row_linear
+from vericache_sglang.models import DRAFT_VOCAB_FILE
 
 PAD_TOKEN = 0
 """What `NgramCorpus` fills a draft with where it has no match."""
-DRAFT_VOCAB_FILE = "draft_vocab.json"
-"""Beside a draft model's config.json, optional: `{"token_ids": [...]}`, the target tokens the
-drafter may propose (EAGLE-3's reduced draft vocabulary). Its head then keeps only their rows:
-a few thousand tokens cover nearly all of a small target's greedy choices on code, and the
-vocabulary-sized head is most of a small drafter's cost per token."""
 
 
 class Drafter(abc.ABC):

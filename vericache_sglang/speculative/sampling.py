@@ -189,27 +189,57 @@ def draft_tokens(logits: torch.Tensor, rows: SamplingRows,
     return torch.where(rows.sampled, drawn, tokens), q
 
 
-def check_proposal(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor,
-                   proposal: list[int]) -> tuple[list[int], torch.Tensor | None]:
-    """One request's level-1 check of a deterministic proposal (a point mass).
+def check_proposals(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor,
+                    proposals: list[list[int]]
+                    ) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Level 1's check of each request's deterministic proposal (a point mass).
 
-    logits [w, V]: level 1's logits at the request's last draft and at each proposed token
-    (w = len(proposal) + 1), with the request's sampling `rows` [w] and `positions` [w] (of
-    the tokens whose logits these are). Returns the tokens level 1 adds to its draft (a kept
-    prefix of the proposal and one token of its own) and, for a request that samples, the
-    distribution q each added token follows ([added, V], what verification needs), else None.
+    logits [sum of w_r, V]: level 1's logits at each request's last draft and at each of its
+    proposed tokens (request r owns the next w_r = len(proposals[r]) + 1 rows), with the rows'
+    sampling `rows` and `positions` (of the tokens whose logits these are). Returns, per
+    request, the tokens level 1 adds to its draft (a kept prefix of the proposal and one token
+    of its own) and, for a request that samples, the distribution q each added token follows
+    ([added, V], what verification needs), else None.
 
     Greedy and seeded requests keep the proposed tokens equal to their own choice: the draft is
-    the one one-token steps make. A sampling request keeps proposed p with probability q(p) and
-    at the first rejection draws from q without p (speculative sampling against a point mass),
-    so each added token follows q exactly given the tokens before it.
+    the one one-token steps make; their kept prefixes are found with tensor operations over
+    all rows and reach the host in one copy (the drafter proposes from host tokens). A
+    sampling request keeps proposed p with probability q(p) and at the first rejection draws
+    from q without p (speculative sampling against a point mass), so each added token follows
+    q exactly given the tokens before it; sampling requests draw one by one, in order.
     """
-    chosen = chosen_tokens(logits, rows, positions).tolist()
-    if not bool(rows.sampled[0]):
-        kept = 0
-        while kept < len(proposal) and proposal[kept] == chosen[kept]:
-            kept += 1
-        return [*proposal[:kept], chosen[kept]], None
+    device = logits.device
+    sizes = [len(p) + 1 for p in proposals]
+    widths = torch.tensor(sizes, device=device)
+    starts = widths.cumsum(0) - widths
+    request = torch.repeat_interleave(torch.arange(len(proposals), device=device), widths,
+                                      output_size=sum(sizes))
+    offset = torch.arange(sum(sizes), device=device) - starts[request]
+    # The proposed token each row's logits are checked against; none (-1) after the last.
+    proposed = torch.tensor([t for p in proposals for t in (*p, -1)], device=device)
+    chosen = chosen_tokens(logits, rows, positions)
+    # Kept: the offset of each request's first row whose choice differs from the proposal.
+    kept = torch.full_like(widths, max(sizes)).scatter_reduce_(
+        0, request, torch.where(chosen == proposed, max(sizes), offset), "amin")
+    kept_host, own = torch.stack([kept, chosen[starts + kept]]).tolist()
+    sampled = (rows.sampled[starts].tolist() if rows.any_sampled
+               else [False] * len(proposals))
+    checked, begin = [], 0
+    for r, proposal in enumerate(proposals):
+        end = begin + len(proposal) + 1
+        if sampled[r]:
+            checked.append(_sample_proposal(
+                logits[begin:end], rows.take(torch.arange(begin, end, device=device)), proposal))
+        else:
+            checked.append(([*proposal[: kept_host[r]], own[r]], None))
+        begin = end
+    return checked
+
+
+def _sample_proposal(logits: torch.Tensor, rows: SamplingRows,
+                     proposal: list[int]) -> tuple[list[int], torch.Tensor]:
+    """A sampling request's check: keep proposed p with probability q(p), at the first
+    rejection draw from q without p."""
     q = filtered_probs(softmax_probs(logits, rows), rows)
     added = []
     for j, token in enumerate(proposal):

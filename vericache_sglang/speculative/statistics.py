@@ -1,0 +1,67 @@
+"""The worker's counts: rounds, drafts and emitted tokens for the logs, `/server_info` and
+Prometheus (`--enable-metrics`), and each request's own figures in its `meta_info`."""
+
+from __future__ import annotations
+
+from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
+from vericache_sglang.stores.pages import STORE_STATS
+from vericache_sglang.tiers.staging import FetchStats
+
+
+class WorkerStats:
+    """Cumulative over all requests (per-request figures go to `meta_info`)."""
+
+    def __init__(self, metrics: VeriCacheMetrics | None) -> None:
+        self.metrics = metrics
+        self.totals = RoundCounts()
+        # Full-tier reads of prefill forwards, and of decoding (drafting windows, pages being
+        # compressed, verification).
+        self.fetched = {"prefill": FetchStats(), "decode": FetchStats()}
+        self.peak_round_bytes = 0
+        self.peak_running_requests = 0
+        self._pages_reported = 0  # pool pages compressed that /metrics already counts
+        self._settling: list[bool] = []  # per request of the last step: a verified round
+
+    def peak(self, round_bytes: int) -> None:
+        """Note a round's buffer bytes."""
+        self.peak_round_bytes = max(self.peak_round_bytes, round_bytes)
+
+    def add(self, counts: RoundCounts, compressed_pages: int) -> None:
+        """Add to the totals; `compressed_pages`: the pool's pages compressed so far."""
+        self.totals.add(counts)
+        if self.metrics is not None:
+            self.metrics.record(counts,
+                                pages_compressed=compressed_pages - self._pages_reported)
+            self._pages_reported = compressed_pages
+
+    def count_step(self, drafted: int, verified: list[bool], compressed_pages: int) -> None:
+        """Count a step's rounds, drafts and plain steps; its emitted tokens are counted as
+        the scheduler settles them (`settle`)."""
+        self._settling = verified
+        rounds = sum(verified)
+        self.add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
+                             plain_decode_steps=len(verified) - rounds), compressed_pages)
+        if self.metrics is not None:
+            self.metrics.record_store(STORE_STATS.snapshot())
+
+    def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
+        """Count the tokens request `row` of the last step kept of its verified round."""
+        if self._settling[row]:
+            self.add(RoundCounts(accepted_drafts=accepted, emitted_tokens=emitted),
+                     compressed_pages)
+
+    def publish_sizes(self, held_bytes: int, pages_used: int) -> None:
+        """Set the size gauges to what is held now."""
+        if self.metrics is not None:
+            self.metrics.set_sizes(held_bytes, pages_used=pages_used)
+
+
+def add_to_meta_info(req, key: str, amount: int) -> None:
+    """Add to one of the request's `meta_info` figures (request-level keys of `meta_info.py`,
+    reported once, when the request finishes). A streamed response's first chunk would carry
+    the figure as it stood after prefill, so streams get none."""
+    if req.stream:
+        return
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info.setdefault(key, [0])[0] += amount
