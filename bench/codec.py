@@ -135,11 +135,19 @@ def main(argv: list[str] | None = None) -> int:
                 sums[f"{tag}: encode MB/s"].append(mb / encode_s)
                 sums[f"{tag}: decode exact MB/s"].append(mb / decode_s)
                 sums[f"{tag}: decode level 0 MB/s"].append(mb / coarse_s)
+                # a chunk's decode time against a 1 Gbit/s link's time to deliver its bytes
+                chunks = len(streams)
+                sums[f"{tag}: decode exact ms per chunk"].append(decode_s / chunks * 1e3)
+                sums[f"{tag}: 1 Gbit/s delivery of the whole stream, ms per chunk"].append(
+                    parts[len(names) - 1] * 8 / 1e9 / chunks * 1e3)
+                sums[f"{tag}: decode level 0 ms per chunk"].append(coarse_s / chunks * 1e3)
+                sums[f"{tag}: 1 Gbit/s delivery of level 0, ms per chunk"].append(
+                    parts[0] * 8 / 1e9 / chunks * 1e3)
                 log(f"  {tag}: exact {parts[len(names) - 1] / elements:.3f} B/elem, encode "
                     f"{mb / encode_s:.1f} MB/s, decode {mb / decode_s:.1f} MB/s")
     lines = ["| what | per element (bytes) or speed, mean of prompts |", "| --- | --- |"]
     for label, values in sums.items():
-        unit = "" if "MB/s" in label else " B"
+        unit = "" if "MB/s" in label or " ms " in label else " B"
         lines.append(f"| {label} | {statistics.mean(values):.3f}{unit} |")
     lines.append("")
     lines.append("Exact part, layers coded as residual vs byte planes: " + ", ".join(

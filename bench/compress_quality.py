@@ -19,8 +19,6 @@ the exact command into the marked section of docs/compressors.md.
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +27,8 @@ from pathlib import Path
 import torch
 
 import vericache_kernels as kernels
+from bench import cli
+from bench.cli import log
 from bench.docs_section import replace_section
 from bench.hf_eval import (
     LayerKV,
@@ -38,6 +38,7 @@ from bench.hf_eval import (
     load_model,
     prefill,
 )
+from bench.serving import first_difference
 from vericache_sglang.compress import Compressor, parse_compressor_spec
 from vericache_sglang.prompts import LICENSES_DIR, STDLIB_DIR, file_ids
 
@@ -74,16 +75,6 @@ class Row:
     bytes: float = 0.0
     errors: list[float] = field(default_factory=list)
     matched: list[int] = field(default_factory=list)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def default_model() -> Path:
-    from vericache_sglang.models import prepare
-
-    return prepare().target
 
 
 def compressed_bytes(c: Compressor, layers: list[LayerKV]) -> tuple[int, float]:
@@ -128,12 +119,34 @@ class ErrorProbe:
         return sum(errors) / len(errors)
 
 
-def matched_prefix(row: list[int], reference: list[int]) -> int:
-    """Leading tokens equal to the reference."""
-    for i, (a, b) in enumerate(zip(row, reference, strict=False)):
-        if a != b:
-            return i
-    return min(len(row), len(reference))
+def measure(model, tokenizer, files: list[str], tokens: list[int], specs: list[str],
+            new_tokens: int, error_steps: int) -> list[Row]:
+    """Every compressor's row over the prompts (file p cut to tokens[p % len(tokens)])."""
+    compressors = [parse_compressor_spec(s) for s in specs]
+    rows = [Row(c) for c in compressors]
+    scaling = model.config.head_dim**-0.5
+    window = max([c.score_window() or 0 for c in compressors if c.needs_scores] + [1])
+    totals = any(c.needs_scores and c.score_window() is None for c in compressors)
+    for p, name in enumerate(files):
+        length = tokens[p % len(tokens)]
+        ids = file_ids(tokenizer, name, length)
+        log(f"prompt {p + 1}/{len(files)}: {name} ({len(ids)} tokens): prefill")
+        layers = prefill(model, ids[:-1], window=window, total_scores=totals)
+        log("full-KV greedy decoding")
+        reference, records = greedy_full(model, layers, ids[-1], new_tokens, error_steps)
+        probe = ErrorProbe(layers, records, scaling)
+        for row in rows:
+            bf16, compressed = compressed_bytes(row.compressor, layers)
+            row.bf16_bytes += bf16
+            row.bytes += compressed
+            row.errors.append(probe.error(row.compressor))
+        log(f"lossy greedy decoding, {len(rows)} compressors in one batch")
+        outputs = greedy_compressed(model, layers, compressors, ids[-1], new_tokens, reference)
+        for row, out in zip(rows, outputs, strict=True):
+            row.matched.append(first_difference(out, reference))
+            log(f"  {row.compressor.spec()}: matched {row.matched[-1]}, "
+                f"attn err {row.errors[-1]:.4f}")
+    return rows
 
 
 def markdown(rows: list[Row], new_tokens: int) -> str:
@@ -157,15 +170,11 @@ def write_docs(path: Path, command: str, table: str, notes: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.compress_quality",
-        description="Compression ratio, attention error and greedy-decoding agreement of KV "
-                    "compressors on the demo model over real long inputs (not a test).",
-    )
-    parser.add_argument("--model", type=Path, default=None,
-                        help="HF model directory (default: the prepared demo model)")
+    parser = cli.parser("bench.compress_quality", __doc__)
+    cli.add_model(parser)
     parser.add_argument("--files", nargs="+", default=DEFAULT_FILES,
-                        help="text files, one prompt each (default: 3 stdlib sources, GPL-3)")
+                        help="text files (paths, or names under the stdlib or licence folders), "
+                        "one prompt each (default: 3 stdlib sources, GPL-3)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 3072, 4096, 6144],
                         help="prompt length in tokens per file, cycled (default: %(default)s)")
     parser.add_argument("--specs", nargs="+", default=DEFAULT_SPECS,
@@ -180,42 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    compressors = [parse_compressor_spec(s) for s in args.specs]
-    rows = [Row(c) for c in compressors]
     started = time.time()
-    model, tokenizer = load_model(args.model or default_model())
-    scaling = model.config.head_dim**-0.5
-    window = max([c.score_window() or 0 for c in compressors if c.needs_scores] + [1])
-    totals = any(c.needs_scores and c.score_window() is None for c in compressors)
-    for p, name in enumerate(args.files):
-        length = args.tokens[p % len(args.tokens)]
-        ids = file_ids(tokenizer, Path(name).absolute(), length)
-        log(f"prompt {p + 1}/{len(args.files)}: {name} ({len(ids)} tokens): prefill")
-        layers = prefill(model, ids[:-1], window=window, total_scores=totals)
-        log("full-KV greedy decoding")
-        reference, records = greedy_full(model, layers, ids[-1], args.new_tokens,
-                                         args.error_steps)
-        probe = ErrorProbe(layers, records, scaling)
-        for row in rows:
-            bf16, compressed = compressed_bytes(row.compressor, layers)
-            row.bf16_bytes += bf16
-            row.bytes += compressed
-            row.errors.append(probe.error(row.compressor))
-        log(f"lossy greedy decoding, {len(rows)} compressors in one batch")
-        outputs = greedy_compressed(model, layers, compressors, ids[-1], args.new_tokens,
-                                    reference)
-        for row, out in zip(rows, outputs, strict=True):
-            row.matched.append(matched_prefix(out, reference))
-            log(f"  {row.compressor.spec()}: matched {row.matched[-1]}, "
-                f"attn err {row.errors[-1]:.4f}")
+    model, tokenizer = load_model(cli.model_dir(args.model))
+    rows = measure(model, tokenizer, args.files, args.tokens, args.specs, args.new_tokens,
+                   args.error_steps)
     table = markdown(rows, args.new_tokens)
     print(table)
     minutes = (time.time() - started) / 60
     log(f"done in {minutes:.1f} min")
     if args.write_docs:
-        command = "python -m bench.compress_quality " + shlex.join(
-            sys.argv[1:] if argv is None else argv
-        )
+        command = cli.invocation("bench.compress_quality", argv)
         prompts = ", ".join(
             f"{Path(f).name} ({args.tokens[i % len(args.tokens)]} tokens)"
             for i, f in enumerate(args.files)

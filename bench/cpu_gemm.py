@@ -13,7 +13,6 @@ worker's few-row form is for.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench import cli
 from bench.docs_section import replace_section
 from vericache_sglang import models
 from vericache_sglang.cpu.few_rows import ALL_ROWS, faster_row_counts, few_row_linear
@@ -61,8 +61,7 @@ def time_forward(weights: list[torch.Tensor], rows: int, scope: Callable, repeat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_gemm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("bench.cpu_gemm", __doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")

@@ -9,12 +9,13 @@ prompt. Both servers run in one invocation so the ratio is measured under the sa
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 from transformers import AutoTokenizer
 
+from bench import cli
+from bench.serving import request
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
@@ -24,8 +25,7 @@ CONFIGS = {"plain": [], "vericache": ["--enable-vericache"]}
 
 def _timed(server: ServerProcess, ids: list[int], n: int) -> float:
     began = time.monotonic()
-    out = server.generate({"input_ids": ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    out = server.generate(request(ids, n))
     assert out["meta_info"]["completion_tokens"] == n
     return time.monotonic() - began
 
@@ -41,9 +41,7 @@ def decode_tokens_per_second(server: ServerProcess, ids: list[int], n: int, repe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode_throughput",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("bench.decode_throughput", __doc__)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--long-prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2)

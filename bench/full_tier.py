@@ -14,35 +14,35 @@ and earlier layers (from /server_info). Every output is compared with plain SGLa
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from bench import cli
 from bench.docs_section import replace_section
+from bench.serving import COMMON, VERICACHE, request, send_together, vericache_figures
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
 MODULES = ["argparse", "difflib", "inspect", "typing", "tarfile", "pathlib", "functools",
            "textwrap"]
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
-          "--max-running-requests", "8"]
+BATCH = ["--max-running-requests", "8"]
 CONFIGS = {"plain": [],
            # a host tier twice the device pool, SGLang's default ratio
            "hicache": ["--enable-hierarchical-cache", "--hicache-ratio", "2"],
-           "vericache": ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]}
+           "vericache": VERICACHE}
 RUNNING = re.compile(r"#running-req: (\d+)")
 
 
-def _run(model: Path, extra: list[str], device_tokens: int, payloads: list[dict]) -> dict:
-    with ServerProcess(model, [*COMMON, *extra], max_total_tokens=device_tokens) as server:
+def run(model: Path, extra: list[str], device_tokens: int, payloads: list[dict]) -> dict:
+    """One server under the device budget: the payloads sent at once, its throughput, its
+    peak batch, and VeriCache's figures from /server_info."""
+    with ServerProcess(model, [*COMMON, *BATCH, *extra], max_total_tokens=device_tokens) as server:
         began = time.monotonic()
-        with ThreadPoolExecutor(len(payloads)) as pool:
-            outs = list(pool.map(lambda p: server.generate(p, timeout=3600), payloads))
+        outs = send_together(server, payloads)
         seconds = time.monotonic() - began
         info = server.server_info()
     log = server.log_path.read_text(errors="replace")
@@ -51,22 +51,18 @@ def _run(model: Path, extra: list[str], device_tokens: int, payloads: list[dict]
            "tok_s": tokens / seconds,
            "peak_running": max(map(int, RUNNING.findall(log)), default=0),
            "capacity_tokens": info["max_total_num_tokens"]}
-    states = [s.get("vericache_state") for s in info.get("internal_states", [])]
-    if states and states[0]:
-        state = states[0]
-        row.update(
-            device_bytes_per_token=state["device_budget_bytes"] / info["max_total_num_tokens"],
-            read_per_token=state["decode_read_bytes_per_emitted_token"],
-            hidden=state["decode_fetch_hidden_fraction"],
-            device_bytes=state["device_bytes"]["total"],
-            budget=state["device_budget_bytes"],
-            E=state["totals"]["emitted_tokens"] / max(state["totals"]["verify_rounds"], 1))
+    row.update(vericache_figures(info) or {})
     return row
 
 
+def payloads(tokenizer, prompt_tokens: int, new_tokens: int) -> list[dict]:
+    """One request per module in MODULES, all distinct long prompts."""
+    return [request(stdlib_ids(tokenizer, m, prompt_tokens, start=200), new_tokens)
+            for m in MODULES]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.full_tier", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("bench.full_tier", __doc__)
     parser.add_argument("--device-tokens", type=int, default=12000,
                         help="--max-total-tokens of both servers: the device budget")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
@@ -76,13 +72,11 @@ def main() -> None:
 
     model = models.prepare().target
     tokenizer = AutoTokenizer.from_pretrained(model)
-    payloads = [{"input_ids": stdlib_ids(tokenizer, m, args.prompt_tokens, start=200),
-                 "sampling_params": {"temperature": 0, "max_new_tokens": args.max_new_tokens,
-                                     "ignore_eos": True}} for m in MODULES]
+    sent = payloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
     rows = {}
     for name, extra in CONFIGS.items():
         print(f"[bench] {name} ...", flush=True)
-        rows[name] = _run(model, extra, args.device_tokens, payloads)
+        rows[name] = run(model, extra, args.device_tokens, sent)
         print(f"[bench] {name}: {rows[name]['tok_s']:.2f} tok/s, peak running "
               f"{rows[name]['peak_running']}", flush=True)
     plain, hicache, vc = rows["plain"], rows["hicache"], rows["vericache"]

@@ -15,40 +15,36 @@ tolerance (`tests/speculative/identity.py`, LOGPROB_TOLERANCE) comes from this.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 from transformers import AutoTokenizer
 
+from bench.serving import COMMON, VERICACHE, request, send_together
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
-          "--max-running-requests", "16", "--enable-custom-logit-processor",
+SERVER = [*COMMON, "--max-running-requests", "16", "--enable-custom-logit-processor",
           "--disable-overlap-schedule"]
-VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4",
-             "--vericache-draft-length", "16"]
+DRAFT = ["--vericache-draft-length", "16"]
 LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3,
             "token_ids_logprob": [13, 198, 284, 1134]}
 WITH_LOGPROBS = ("logprobs", "penalties", "repetition", "custom_processor")
 
 
 def _batch(tokenizer) -> dict[str, dict]:
-    def request(ids: list[int], extra: dict | None = None, **params) -> dict:
-        sampling = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True, **params}
-        return {"input_ids": ids, "sampling_params": sampling, **(extra or {})}
+    def greedy(ids: list[int], extra: dict | None = None, **params) -> dict:
+        return request(ids, 48, extra, **params)
 
     heapq, csv = stdlib_ids(tokenizer, "heapq", 400), stdlib_ids(tokenizer, "csv", 700, start=1000)
     bisect = stdlib_ids(tokenizer, "bisect", 300, start=300)
     return {
-        "greedy": request(heapq),
-        "logprobs": request(csv, LOGPROBS),
-        "penalties": request(bisect, LOGPROBS, frequency_penalty=0.4, presence_penalty=0.2),
-        "repetition": request(heapq, LOGPROBS, repetition_penalty=1.3),
-        "logit_bias": request(bisect, logit_bias={"13": 4.0, "284": -3.0}),
-        "min_new_tokens": request(csv, min_new_tokens=12),
-        "custom_processor": request(
+        "greedy": greedy(heapq),
+        "logprobs": greedy(csv, LOGPROBS),
+        "penalties": greedy(bisect, LOGPROBS, frequency_penalty=0.4, presence_penalty=0.2),
+        "repetition": greedy(heapq, LOGPROBS, repetition_penalty=1.3),
+        "logit_bias": greedy(bisect, logit_bias={"13": 4.0, "284": -3.0}),
+        "min_new_tokens": greedy(csv, min_new_tokens=12),
+        "custom_processor": greedy(
             bisect, {**LOGPROBS, "custom_logit_processor":
                      DisallowedTokensLogitsProcessor.to_str()},
             max_new_tokens=32, custom_params={"token_ids": [13, 284]}),
@@ -57,12 +53,8 @@ def _batch(tokenizer) -> dict[str, dict]:
 
 def _twice(server: ServerProcess, batch: dict[str, dict]) -> list[dict[str, dict]]:
     """The batch's answers, sent concurrently, twice."""
-    answers = []
-    for _ in range(2):
-        with ThreadPoolExecutor(len(batch)) as pool:
-            answers.append(dict(zip(batch, pool.map(server.generate, batch.values()),
-                                    strict=True)))
-    return answers
+    return [dict(zip(batch, send_together(server, list(batch.values())), strict=True))
+            for _ in range(2)]
 
 
 def _drift(a: dict[str, dict], b: dict[str, dict]) -> dict[str, tuple]:
@@ -87,9 +79,9 @@ def _drift(a: dict[str, dict], b: dict[str, dict]) -> dict[str, tuple]:
 def main() -> None:
     model = models.prepare().target
     batch = _batch(AutoTokenizer.from_pretrained(model))
-    with ServerProcess(model, COMMON) as server:
+    with ServerProcess(model, SERVER) as server:
         plain = _twice(server, batch)
-    with ServerProcess(model, [*COMMON, *VERICACHE]) as server:
+    with ServerProcess(model, [*SERVER, *VERICACHE, *DRAFT]) as server:
         ours = _twice(server, batch)
     print("| comparison | request | same tokens | token | top | token ids |")
     print("|---|---|---|---|---|---|")

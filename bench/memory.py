@@ -25,9 +25,7 @@ the exact command into the marked section of docs/memory.md.
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -43,6 +41,8 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from transformers import AutoConfig
 
+from bench import cli
+from bench.cli import log
 from bench.docs_section import replace_section
 from bench.hf_eval import LayerKV, load_model, prefill
 from vericache_sglang.attention.draft import DraftAttnBackend
@@ -70,10 +70,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 SECTION = "memory"
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 @dataclass(frozen=True)
 class Geometry:
     """Attention geometry of one model layer."""
@@ -85,6 +81,14 @@ class Geometry:
     @property
     def scaling(self) -> float:
         return self.head_dim**-0.5
+
+    @classmethod
+    def of(cls, model_dir: Path) -> Geometry:
+        """The geometry an HF model directory's config declares."""
+        config = AutoConfig.from_pretrained(model_dir)
+        return cls(config.num_attention_heads, config.num_key_value_heads,
+                   getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads)
 
 
 class Pools:
@@ -326,10 +330,8 @@ def write_docs(path: Path, body: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="HF model directory (default: the prepared demo model)")
+    parser = cli.parser("bench.memory", __doc__)
+    cli.add_model(parser)
     parser.add_argument("--specs", nargs="+", default=MEMORY_SPECS,
                         help="compressor specs of the memory table")
     parser.add_argument("--files", nargs="+", default=DEFAULT_FILES,
@@ -356,14 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.monotonic()
-    if args.model is None:
-        from vericache_sglang.models import prepare
-
-        args.model = prepare().target
-    config = AutoConfig.from_pretrained(args.model)
-    geometry = Geometry(config.num_attention_heads, config.num_key_value_heads,
-                        getattr(config, "head_dim", None)
-                        or config.hidden_size // config.num_attention_heads)
+    args.model = cli.model_dir(args.model)
+    geometry = Geometry.of(args.model)
     sections = []
 
     if args.only != "time":
@@ -417,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     log(f"done in {seconds:.0f} s")
     if args.write_docs:
-        command = "python -m bench.memory " + shlex.join(sys.argv[1:] if argv is None else argv)
+        command = cli.invocation("bench.memory", argv)
         body = (f"```\n{command}\n```\n\nOne run, {seconds:.0f} s, on a shared "
                 f"{os.cpu_count()}-core CPU machine, torch {torch.__version__} (timings are "
                 f"noisy: compare the ratio within a row).\n\n"

@@ -29,15 +29,22 @@ request), and E at each level: tokens per verification (level 0), drafts per lev
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from bench import cli, tables
 from bench.docs_section import replace_section
+from bench.serving import (
+    COMMON,
+    VERICACHE,
+    chat_ids,
+    request,
+    send_together,
+    start_failure,
+)
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess, ServerStartError
@@ -47,9 +54,7 @@ from vericache_sglang.speculative.meta_info import (
     DRAFTER_PROPOSED_KEY,
 )
 
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0",
-          "--max-running-requests", "4"]
-VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]
+BATCH = ["--max-running-requests", "4"]
 SERVERS = {
     "plain SGLang": [],
     "VeriCache, one level": VERICACHE,
@@ -76,27 +81,22 @@ def before_last_definition(tokenizer, ids: list[int]) -> list[int]:
     raise ValueError("the code prompt has no def or class line to stop before")
 
 
-def _workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
+def workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
+    """Code continuation and chat about code, at batch 1 and batch 4, by name."""
     def code(module: str) -> list[int]:
         return before_last_definition(
             tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
 
     def chat(module: str) -> list[int]:
         source = tokenizer.decode(code(module))
-        text = f"Explain what this code does, function by function.\n\n```python\n{source}\n```"
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
-
-    def request(ids: list[int], ignore_eos: bool) -> dict:
-        return {"input_ids": ids, "sampling_params": {
-            "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": ignore_eos}}
+        return chat_ids(tokenizer, "Explain what this code does, function by function."
+                        f"\n\n```python\n{source}\n```")
 
     return {
-        "code, batch 1": [request(code(MODULES[0]), True)],
-        "chat, batch 1": [request(chat(MODULES[0]), False)],
-        "code, batch 4": [request(code(m), True) for m in MODULES],
-        "chat, batch 4": [request(chat(m), False) for m in MODULES],
+        "code, batch 1": [request(code(MODULES[0]), new_tokens)],
+        "chat, batch 1": [request(chat(MODULES[0]), new_tokens, ignore_eos=False)],
+        "code, batch 4": [request(code(m), new_tokens) for m in MODULES],
+        "chat, batch 4": [request(chat(m), new_tokens, ignore_eos=False) for m in MODULES],
     }
 
 
@@ -125,17 +125,16 @@ def measure_decode(server: ServerProcess, payloads: list[dict], repeats: int = 1
     warm = [{**p, "sampling_params": {**p["sampling_params"], "max_new_tokens": 1}}
             for p in payloads]
     best, runs = float("inf"), []
-    with ThreadPoolExecutor(len(payloads)) as pool:
-        for _ in range(repeats):
-            server.flush_cache()
-            list(pool.map(lambda p: server.generate(p, timeout=3600), warm))
-            began = time.monotonic()
-            list(pool.map(lambda p: server.generate(p, timeout=3600), warm))
-            first_token = time.monotonic() - began
-            began = time.monotonic()
-            outs = list(pool.map(lambda p: server.generate(p, timeout=3600), payloads))
-            best = min(best, time.monotonic() - began - first_token)
-            runs.append([out["output_ids"] for out in outs])
+    for _ in range(repeats):
+        server.flush_cache()
+        send_together(server, warm)
+        began = time.monotonic()
+        send_together(server, warm)
+        first_token = time.monotonic() - began
+        began = time.monotonic()
+        outs = send_together(server, payloads)
+        best = min(best, time.monotonic() - began - first_token)
+        runs.append([out["output_ids"] for out in outs])
     seconds = best
     generated = sum(len(out["output_ids"]) for out in outs)
     meta = [out["meta_info"] for out in outs]
@@ -161,9 +160,22 @@ def measure_decode(server: ServerProcess, payloads: list[dict], repeats: int = 1
     return row
 
 
+def server_args(full_tier: str, drafter: Path) -> dict[str, list[str]]:
+    """Every server's own arguments by name, VeriCache's with its full tier; the draft-model
+    server drafts with `drafter`."""
+    chosen = {**SERVERS, "VeriCache + draft model": [
+        *VERICACHE, "--vericache-draft-model", str(drafter)]}
+    return {name: [*extra, "--vericache-full-tier", full_tier]
+            if "--enable-vericache" in extra else extra for name, extra in chosen.items()}
+
+
+def identical(row: dict, reference: list[list[int]]) -> int:
+    """How many of a workload's requests answered as plain SGLang did, in every timed run."""
+    return sum(all(run[j] == want for run in row["outputs"]) for j, want in enumerate(reference))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.multilevel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("bench.multilevel", __doc__)
     parser.add_argument("--prompt-tokens", type=int, default=2500)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_NEW_TOKENS)
     parser.add_argument("--repeats", type=int, default=1,
@@ -186,32 +198,28 @@ def main() -> None:
     prepared = models.prepare()
     model = prepared.target
     tokenizer = AutoTokenizer.from_pretrained(model)
-    workloads = _workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+    chosen_workloads = workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
     if args.workloads:
-        unknown = set(args.workloads) - set(workloads)
+        unknown = set(args.workloads) - set(chosen_workloads)
         if unknown:
-            parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(workloads)}")
-        workloads = {name: workloads[name] for name in args.workloads}
-    chosen = {**SERVERS, "VeriCache + draft model": [
-        *VERICACHE, "--vericache-draft-model", str(prepared.drafter)]}
+            parser.error(f"unknown workloads {sorted(unknown)}; "
+                         f"choose from {list(chosen_workloads)}")
+        chosen_workloads = {name: chosen_workloads[name] for name in args.workloads}
+    servers = server_args(args.full_tier, prepared.drafter)
     if args.servers:
-        unknown = set(args.servers) - set(chosen)
+        unknown = set(args.servers) - set(servers)
         if unknown:
-            parser.error(f"unknown servers {sorted(unknown)}; choose from {list(chosen)}")
-        chosen = {name: chosen[name] for name in ["plain SGLang", *args.servers]}
-    servers = {name: [*extra, "--vericache-full-tier", args.full_tier]
-               if "--enable-vericache" in extra else extra for name, extra in chosen.items()}
+            parser.error(f"unknown servers {sorted(unknown)}; choose from {list(servers)}")
+        servers = {name: servers[name] for name in ["plain SGLang", *args.servers]}
     results: dict[str, dict[str, dict] | str] = {}
     for name, extra in servers.items():
         print(f"[bench] {name} ...", flush=True)
         try:
-            with ServerProcess(model, [*COMMON, *extra]) as server:
+            with ServerProcess(model, [*COMMON, *BATCH, *extra]) as server:
                 results[name] = {w: measure_decode(server, p, args.repeats)
-                                 for w, p in workloads.items()}
+                                 for w, p in chosen_workloads.items()}
         except ServerStartError as e:
-            errors = [line for line in str(e).splitlines() if "Error" in line]
-            reason = (errors or str(e).strip().splitlines())[-1].strip()
-            results[name] = f"does not start here: {reason[:160]}"
+            results[name] = start_failure(e)
             print(f"[bench] {name}: {results[name]}", flush=True)
             continue
         for w, row in results[name].items():
@@ -219,8 +227,8 @@ def main() -> None:
 
     plain = results["plain SGLang"]
     shares = {w: repeated_share([p["input_ids"] for p in payloads], plain[w]["outputs"][0])
-              for w, payloads in workloads.items()}
-    for workload in workloads:
+              for w, payloads in chosen_workloads.items()}
+    for workload in chosen_workloads:
         answer = tokenizer.decode(plain[workload]["outputs"][0][0])
         print(f"[bench] {workload}, plain SGLang's first answer: {answer!r}")
     length = ("" if args.max_new_tokens == DEFAULT_NEW_TOKENS
@@ -233,26 +241,24 @@ def main() -> None:
         "token, " + (f"the fastest of {args.repeats} timed runs of each row, every run's output "
                      "compared" if args.repeats > 1 else "one run")
         + " on this 2-core CPU machine):\n",
-        "| workload | server | decode tok/s | vs plain | target forwards per token "
-        "| E level 0 | drafts per level-1 forward | level-2 kept | outputs = plain |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload in workloads:
+    rows = []
+    for workload in chosen_workloads:
         for name in servers:
             row = results[name]
             if isinstance(row, str):
                 continue
             row = row[workload]
             reference = plain[workload]["outputs"][0]
-            same = sum(all(run[j] == want for run in row["outputs"])
-                       for j, want in enumerate(reference))
-            cells = [workload, name, f"{row['tok_s']:.2f}",
-                     f"{row['tok_s'] / plain[workload]['tok_s']:.2f}x",
-                     f"{row['forwards_per_token']:.2f}",
-                     "-" if row["E0"] is None else f"{row['E0']:.1f}",
-                     "-" if row["E1"] is None else f"{row['E1']:.2f}",
-                     row["kept"] or "-", f"{same} of {len(reference)}"]
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append([workload, name, f"{row['tok_s']:.2f}",
+                         f"{row['tok_s'] / plain[workload]['tok_s']:.2f}x",
+                         f"{row['forwards_per_token']:.2f}",
+                         "-" if row["E0"] is None else f"{row['E0']:.1f}",
+                         "-" if row["E1"] is None else f"{row['E1']:.2f}",
+                         row["kept"] or "-", f"{identical(row, reference)} of {len(reference)}"])
+    lines.append(tables.table(
+        ["workload", "server", "decode tok/s", "vs plain", "target forwards per token",
+         "E level 0", "drafts per level-1 forward", "level-2 kept", "outputs = plain"], rows))
     lines += ["", "Answer tokens that end a 4-token sequence already in their prompt or answer "
               "(plain SGLang's answers; what a copying drafter can predict): " + ", ".join(
                   f"{w} {share:.0%}" for w, share in shares.items()) + "."]

@@ -13,19 +13,18 @@ in the same run. Every output is compared with plain SGLang's.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from bench import cli, tables
 from bench.docs_section import replace_section
 from bench.multilevel import MODULES, before_last_definition, measure_decode
+from bench.serving import COMMON, VERICACHE, request
 from vericache_sglang import models
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0"]
-VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]
 SERVERS = {
     "plain SGLang": [],
     **{f"VeriCache {tier}, {level}": [*VERICACHE, "--vericache-full-tier", tier, *drafter]
@@ -36,16 +35,14 @@ SERVERS = {
 
 def _payloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
     def code(module: str) -> dict:
-        ids = before_last_definition(
-            tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
-        return {"input_ids": ids, "sampling_params": {
-            "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+        return request(before_last_definition(
+            tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200)), new_tokens)
 
     return {"batch 1": [code(MODULES[0])], "batch 4": [code(m) for m in MODULES]}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser("bench.placement", __doc__)
     parser.add_argument("--prompt-tokens", type=int, default=3000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--write-docs", type=Path, help="docs page with a placement section")
@@ -69,13 +66,12 @@ def main() -> None:
             row["after_gb"] = server.rss_bytes() / 2**30
         print(f"[{name}] {row}", flush=True)
         rows.append(row)
-    table = ["| server | idle RSS (GB) | RSS after (GB) | decode, batch 1 | decode, batch 4 | "
-             "identical |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        same = all(r[f"{w} identical"] for w in workloads)
-        table.append(f"| {r['server']} | {r['idle_gb']:.1f} | {r['after_gb']:.1f} | "
-                     f"{r['batch 1']:.2f}x | {r['batch 4']:.2f}x | {'yes' if same else 'NO'} |")
-    text = "\n".join(table) + (
+    text = tables.table(
+        ["server", "idle RSS (GB)", "RSS after (GB)", "decode, batch 1", "decode, batch 4",
+         "identical"],
+        [[r["server"], f"{r['idle_gb']:.1f}", f"{r['after_gb']:.1f}", f"{r['batch 1']:.2f}x",
+          f"{r['batch 4']:.2f}x", "yes" if all(r[f"{w} identical"] for w in workloads) else "NO"]
+         for r in rows]) + (
         "\n\nDecode speed as a ratio to plain SGLang in the same run; measured by "
         "`python -m bench.placement`, every memory setting at its default.")
     print(text)

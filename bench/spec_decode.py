@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import cli
+from bench.cli import log
 from bench.docs_section import markers, replace_section
+from bench.serving import first_difference, request
 from vericache_sglang.prompts import file_prompt
 from vericache_sglang.server_process import ServerProcess
 
@@ -51,10 +53,6 @@ QUICK_PROMPTS = ["textwrap.py:2048", "argparse.py:3072"]
 QUICK_CONFIGS = ["kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32"]
 SECTION = "spec_decode"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 @dataclass
@@ -166,8 +164,7 @@ def _generate(server: ServerProcess, ids: list[int], n: int) -> tuple[dict, floa
     # A fresh prefix cache, so that every timed request prefills its whole prompt.
     server.flush_cache()
     began = time.monotonic()
-    out = server.generate({"input_ids": ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    out = server.generate(request(ids, n))
     seconds = time.monotonic() - began
     if out["meta_info"]["completion_tokens"] != n:
         raise RuntimeError(f"asked {n} tokens, got {out['meta_info']['completion_tokens']}")
@@ -202,9 +199,7 @@ def serve(model: Path, row: Row, prompts: list[Prompt], args, reference: Row | N
                 if run.output_ids == expected:
                     line += ", identical"
                 else:
-                    at = next((j for j, (a, b) in enumerate(zip(run.output_ids, expected,
-                                                                strict=False)) if a != b),
-                              min(len(run.output_ids), len(expected)))
+                    at = first_difference(run.output_ids, expected)
                     row.mismatches.append(f"{prompt.name} at token {at}")
                     line += f", MISMATCH with plain SGLang at output token {at}"
                     print(f"!!! {name} {prompt.name}: OUTPUT DIFFERS FROM PLAIN SGLANG at "
@@ -246,10 +241,8 @@ def write_docs(path: Path, command: str, body: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="HF model directory (default: the prepared demo model)")
+    parser = cli.parser("bench.spec_decode", __doc__)
+    cli.add_model(parser)
     parser.add_argument("--prompts", nargs="+", default=None, metavar="FILE:TOKENS",
                         help="file under the stdlib directory or /usr/share/common-licenses "
                         "(or an absolute path) and prompt tokens, one prompt each (default: "
@@ -277,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    if args.model is None:
-        from vericache_sglang.models import prepare
-
-        args.model = prepare().target
+    args.model = cli.model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = load_prompts(prompt_entries, tokenizer)
     needed = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(c.k for c in configs)
@@ -320,10 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     log(f"done in {minutes:.1f} min")
     if args.write_docs:
-        command = "python -m bench.spec_decode " + shlex.join(
-            sys.argv[1:] if argv is None else argv
-        )
-        write_docs(args.write_docs, command, body)
+        write_docs(args.write_docs, cli.invocation("bench.spec_decode", argv), body)
         log(f"wrote {args.write_docs}")
     bad = [f"{r.config.label}: {m}" for r in rows for m in r.mismatches]
     if bad:

@@ -25,22 +25,18 @@ since stay at the pool level).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from bench import cli
+from bench.cli import log
 from bench.hf_eval import load_model, prefill
 from vericache_sglang.codec import CodecSpec, coarser
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.prompts import file_prompt
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 @torch.inference_mode()
@@ -130,9 +126,8 @@ def greedy_reference(model, ids: list[int], new_tokens: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.spec_offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=None)
+    parser = cli.parser("bench.spec_offline", __doc__)
+    cli.add_model(parser)
     parser.add_argument("--prompts", nargs="+", default=["textwrap.py:2048"],
                         metavar="FILE:TOKENS",
                         help="file under the stdlib directory or /usr/share/common-licenses "
@@ -153,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from vericache_sglang.models import prepare
-
-        args.model = prepare().target
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(cli.model_dir(args.model))
     for entry in args.prompts:
         label, ids = file_prompt(tokenizer, entry)
         reference = greedy_reference(model, ids, args.max_new_tokens) if args.check_greedy \

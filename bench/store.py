@@ -12,7 +12,6 @@ is read back and compared with what was written.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+from bench import cli
 from bench.codec import kv_of
 from bench.hf_eval import load_model
 from vericache_sglang import models
@@ -65,8 +65,7 @@ def measure(keys: torch.Tensor, values: torch.Tensor, page: int) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__.split(
-        "\n")[0])
+    parser = cli.parser("bench.store", __doc__)
     parser.add_argument("--files", nargs="+", default=["argparse.py"],
                         help="prompt files (stdlib module file names or paths)")
     parser.add_argument("--tokens", type=int, default=3200, help="tokens per prompt")
