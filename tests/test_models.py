@@ -6,7 +6,7 @@ import json
 
 from safetensors import safe_open
 
-from vericache_sglang import distill, models
+from vericache_sglang import models
 
 
 def test_target_is_a_bf16_llama_checkpoint(demo_models):
@@ -46,7 +46,7 @@ def test_a_torn_directory_is_remade(tmp_path, demo_models, monkeypatch):
     calls = []
     monkeypatch.setattr(models, "_convert_target", lambda dest: calls.append(dest))
     monkeypatch.setattr(models, "_derive_draft", lambda *a: None)
-    monkeypatch.setattr(distill, "build_draft_model", lambda *a: None)
+    monkeypatch.setattr(models, "build_draft_model", lambda *a: None)
     torn = tmp_path / models.DEMO_MODEL_NAME
     torn.mkdir()
     (torn / "config.json").write_text("{}")
