@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found: list[str] = []
     with ShapedLink(args.rate_mbit) as link:
-        inner = _without_json(argv if argv is not None else sys.argv[1:])
+        inner = ["--prefix-tokens", str(args.prefix_tokens), "--new-tokens",
+                 str(args.new_tokens), "--rate-mbit", str(args.rate_mbit), "--segment-mib",
+                 str(args.segment_mib), "--configs", *args.configs,
+                 *(["--model", str(args.model)] if args.model else [])]
         with subprocess.Popen(link.command([sys.executable, "-m", "bench.remote_prefix",
                                             "--inside", *inner]),
                               stdout=subprocess.PIPE, text=True) as child:
@@ -162,19 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                                          "results": results}, indent=2))
     print(_table(results, args))
     return 0
-
-
-def _without_json(argv: list[str]) -> list[str]:
-    """The arguments minus `--json PATH` (the outer process writes the file)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--json":
-            skip = True
-        elif not arg.startswith("--json="):
-            out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

@@ -543,6 +543,5 @@ def test_several_requests_checked_at_once_equal_each_checked_alone():
         alone = check_proposals(logits[span], rows.take(span), positions[span], [proposals[r]])
         assert together[r] == alone[0]
     assert together[1][0][:3] == proposals[1] and together[3][0][0] == proposals[3][0]
-    assert together[3][0][1] != proposals[3][1] or len(together[3][0]) == 3
     added, q = together[2]
     assert q is not None and len(added) == q.shape[0]
