@@ -361,3 +361,27 @@ def test_assign_extend_cache_locs_equals_triton(sglang_spec, bs: int) -> None:
     got = gather(cache_locs.assign_extend_cache_locs_cpu)
     assert torch.equal(got, want), (got, want)
     assert (want[:total] >= 0).all() and (want[total:] == -7).all()
+
+
+@interpreter_only
+@pytest.mark.parametrize("rows", [1, 5])
+def test_murmur_hash32_equals_triton(rows: int) -> None:
+    """The hash behind SGLang's seeded sampler (`multinomial_with_seed`) equals SGLang's Triton
+    kernel bit for bit: seeds over 32 bits and up to 2**63 - 1, positions up to 2**31 - 1,
+    columns past the kernel's 1,024-wide block."""
+    pytest.importorskip("triton")
+    import sgl_kernel
+    import triton
+    from sglang.kernels.ops.sampling import murmur_hash
+
+    gen = torch.Generator().manual_seed(rows)
+    seed = torch.tensor([0, 1, 42, 2**40 + 7, 2**63 - 1][:rows], dtype=torch.int64)
+    positions = torch.randint(0, 2**31 - 1, (rows,), generator=gen)
+    columns = torch.arange(2500)
+    want = torch.empty((rows, len(columns)), dtype=torch.uint32)
+    murmur_hash.murmur_hash32_kernel[(rows, triton.cdiv(len(columns), 1024))](
+        seed, positions, columns, want, rows, len(columns), BLOCK_SIZE=1024)
+    got = murmur_hash.murmur_hash32(seed, positions, columns)  # the CPU path: the shim's op
+    assert got.dtype == torch.uint32
+    assert torch.equal(got.to(torch.int64), want.to(torch.int64))
+    assert torch.equal(got, sgl_kernel.murmur_hash32_cpu(seed, positions, columns))

@@ -1,8 +1,11 @@
-"""The SGLang attention read path over the compressed tier, on real SGLang pools and real KV.
+"""The drafting read path over a request's own compressed block, on real SGLang pools and KV.
 
-`CompressedTierAttnBackend` is driven through SGLang's own `forward_extend`/`forward_decode`
-with a real `RadixAttention` layer, `ForwardBatch`, `MHATokenToKVPool` and `ReqToTokenPool` on
-the CPU, over the demo model's real K/V, queries and prompt attention scores.
+`DraftAttnBackend` without a page pool (the path of token droppers and compositions) is driven
+through SGLang's own `forward_extend`/`forward_decode` with a real `RadixAttention` layer,
+`ForwardBatch`, `MHATokenToKVPool` and `ReqToTokenPool` on the CPU, over the demo model's real
+K/V, queries and prompt attention scores. Each decode drafts one token over the committed
+prefix's block plus its own exact K/V; the token's K/V then reach the pool, as a verification
+that accepts it writes them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from tests.compress.helpers import attention
-from vericache_sglang.attention.compressed_backend import CompressedTierAttnBackend
+from vericache_sglang.attention.draft import DraftAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.tiers.compressed import CompressedTier
 
@@ -43,7 +46,7 @@ class Harness:
         runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
                                  token_to_kv_pool=self.pool)
         self.tier = CompressedTier(parse_compressor_spec(spec))
-        self.backend = CompressedTierAttnBackend(runner, self.tier)
+        self.backend = DraftAttnBackend(runner, self.tier)
 
     def prefill(self, n: int) -> None:
         """Run SGLang's extend over the first n prompt tokens (writes the full KV)."""
@@ -60,19 +63,25 @@ class Harness:
         self.backend.forward_extend(q, self.kv.keys[:n], self.kv.values[:n], self.layer, batch)
 
     def decode(self, t: int) -> torch.Tensor:
-        """Decode token t (its K/V are written to the pool first), returning [Hq, D]."""
+        """Draft token t over the t committed tokens, returning [Hq, D]; then commit it (its
+        K/V written to the pool)."""
         row = self.rows[t : t + 1]
-        self.req_to_token.req_to_token[SLOT, t] = int(row)
         batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=1,
             input_ids=torch.zeros(1, dtype=torch.int64), req_pool_indices=torch.tensor([SLOT]),
-            seq_lens=torch.tensor([t + 1]),
-            out_cache_loc=row, seq_lens_sum=t + 1,
+            seq_lens=torch.tensor([t + 1]), out_cache_loc=row, seq_lens_sum=t + 1,
         )
+        self.tier.new_step()
+        self.backend.begin_round([SLOT], [t], 1)
+        self.backend.set_step(0)
         out = self.backend.forward_decode(
             self.kv.queries[t].reshape(1, -1), self.kv.keys[t : t + 1],
             self.kv.values[t : t + 1], self.layer, batch,
         )
+        self.backend.end_round()
+        self.req_to_token.req_to_token[SLOT, t] = int(row)
+        self.pool.set_kv_buffer(self.layer, row, self.kv.keys[t : t + 1],
+                                self.kv.values[t : t + 1])
         return out.view(self.kv.queries.shape[1], -1)
 
     def block(self):
@@ -83,7 +92,8 @@ class Harness:
                                   "streaming:sink=4,ratio=0.25", "snapkv:ratio=0.25,window=16",
                                   "h2o:ratio=0.25", "snapkv:ratio=0.5,window=16+kivi:bits=4"])
 def test_decode_reads_the_compressed_tier(real_kv, spec):
-    """Decode output is attention over exactly what the tier holds, not over the full KV."""
+    """A draft token's attention is over exactly what the tier holds of the committed prefix,
+    plus its own exact K/V, not over the full KV."""
     h = Harness(real_kv, spec)
     prompt = h.kv.keys.shape[0] - 3
     h.prefill(prompt)
@@ -91,6 +101,8 @@ def test_decode_reads_the_compressed_tier(real_kv, spec):
         out = h.decode(t)
         block = h.block()
         keys, values = block.dense()
+        keys = torch.cat([keys, h.kv.keys[t : t + 1]])
+        values = torch.cat([values, h.kv.values[t : t + 1]])
         positions = block.positions()
         if positions is None:  # quantizer: every token, dequantized
             expected = attention(h.kv.queries[t], keys, values, real_kv.scaling)
@@ -101,7 +113,7 @@ def test_decode_reads_the_compressed_tier(real_kv, spec):
                           values[:, hd:hd + 1], real_kv.scaling)
                 for hd in range(keys.shape[1])
             ])
-            assert positions.shape[1] < t + 1  # tokens were really dropped
+            assert positions.shape[1] < t  # tokens were really dropped
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
         full = attention(h.kv.queries[t], h.kv.keys[: t + 1], h.kv.values[: t + 1],
                          real_kv.scaling)
@@ -114,7 +126,7 @@ def test_decode_steps_append_instead_of_recompressing(real_kv):
     h.prefill(prompt)
     h.decode(prompt)
     first = h.block()
-    assert len(first) == prompt + 1
+    assert len(first) == prompt
     for t in range(prompt + 1, prompt + 4):
         h.decode(t)
     assert h.block() is first

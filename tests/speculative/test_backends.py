@@ -191,7 +191,7 @@ def test_verify_batch_computes_only_the_verified_queries(monkeypatch):
         torch.cat([k[n:] for k, n in zip(keys, prefixes, strict=True)]),
         torch.cat([v[n:] for v, n in zip(values, prefixes, strict=True)]), layer, fb,
     ).view(2, width, Q_HEADS, DIM)
-    assert query_lengths == [width, width]
+    assert query_lengths == [width]  # one call for the batch, the chain's queries only
     for b, n in enumerate(prefixes):
         for j in range(width):
             expected = attention(queries[b][j], keys[b][: n + j + 1], values[b][: n + j + 1],

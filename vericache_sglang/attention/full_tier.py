@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from vericache_sglang.attention.verify import VerifyAttnBackend
+from vericache_sglang.attention.verify import VerifyAttnBackend, VerifyPlan
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.staging import Fetch, StagingArea, Unit
 
@@ -67,6 +67,9 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
         rows = [req_to_token[slot, :n] for slot, n in zip(slots, prefix, strict=True)]
         self._fetch = self.staging.start(self.staging.plan(rows, new))
 
+    def _verify_plan(self, forward_batch) -> None:
+        return None  # a verify forward reads the staging units, planned per unit
+
     def finish(self) -> None:
         """Release whatever a forward left staged (after an error, or a prefetch never run)."""
         if self._fetch is not None:
@@ -84,9 +87,10 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
             width = forward_batch.spec_info.draft_token_num
             self._chain[layer.layer_id] = (k_, v_)
             for unit, local, (a, b) in self._units(layer, k_, v_, lambda _: width):
-                o_[a * width:b * width] = self._run_sdpa_verify(
-                    q_[a * width:b * width], unit.k, unit.v, local, list(range(len(local))),
-                    unit.prefix, width, layer)
+                plan = VerifyPlan.of(local, torch.arange(len(local), device=local.device),
+                                     torch.tensor(unit.prefix), max(unit.prefix), width)
+                o_[a * width:b * width] = plan.attend(q_[a * width:b * width], unit.k, unit.v,
+                                                      layer)
         else:
             if save_kv_cache:
                 self._write(layer, forward_batch.out_cache_loc, k, v)

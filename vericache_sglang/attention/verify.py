@@ -3,10 +3,12 @@
 The root token and the k drafts of each request extend its committed prefix over the full KV,
 causally (a draft chain needs no tree mask), writing their K/V into the pool slots reserved
 beyond the committed length. Only those k + 1 queries are computed, so a round reads the
-committed KV once.
+committed KV once, and every request of the batch in one attention call per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,53 +16,88 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 
+@dataclass(frozen=True)
+class VerifyPlan:
+    """A TARGET_VERIFY forward's reads, built once per forward and shared by every layer."""
+
+    rows: torch.Tensor
+    """[B, T] full-pool rows of each request's prefix and chain, padded to the longest
+    (T = longest prefix + width) with the request's first row, which is always written."""
+    visible: torch.Tensor
+    """[B, 1, width, T]: chain query j of request b sees keys 0..prefix_b + j."""
+    width: int
+
+    @classmethod
+    def of(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+           prefix_lens: torch.Tensor, longest: int, width: int) -> VerifyPlan:
+        """`prefix_lens` [B] on the device; `longest` their maximum, a host value (SGLang's
+        `seq_lens_cpu`), which sizes the read."""
+        device = req_to_token.device
+        total = longest + width
+        rows = req_to_token[req_pool_indices, :total].to(torch.int64)
+        columns = torch.arange(total, device=device)
+        last = prefix_lens.to(device)[:, None] + torch.arange(width, device=device)  # [B, width]
+        visible = columns[None, None, :] <= last[:, :, None]
+        # Past its own chain a request's row holds stale or unset slots: read its first row
+        # there instead (finite, and masked out like any other padding).
+        rows = torch.where(columns[None, :] < (last[:, -1:] + 1), rows, rows[:, :1])
+        return cls(rows, visible[:, None], width)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               layer) -> torch.Tensor:
+        """q [B * width, Hq, D] -> o [B * width, Hq, Dv]: one masked SDPA over the batch."""
+        batch, total = self.rows.shape
+        flat = self.rows.flatten()
+        # index_select copies whole rows; advanced indexing goes element by element
+        keys = k_cache.index_select(0, flat).view(batch, total, *k_cache.shape[1:])
+        values = v_cache.index_select(0, flat).view(batch, total, *v_cache.shape[1:])
+        query = q.view(batch, self.width, *q.shape[1:]).transpose(1, 2)  # [B, Hq, width, D]
+        if keys.dtype != query.dtype:
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        o = F.scaled_dot_product_attention(
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.visible,
+            scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+        )
+        return o.transpose(1, 2).reshape(batch * self.width, layer.tp_q_head_num, -1)
+
+
 class VerifyAttnBackend(TorchNativeAttnBackend):
     """torch_native attention that also runs TARGET_VERIFY forwards over the full KV.
 
     Each request extends its committed prefix (`seq_lens`) by the verify width
     (`spec_info.draft_token_num`), causally: only those `width` queries are computed, over the
-    prefix plus themselves. (torch_native's own extend pads the queries to the whole sequence
-    and runs full causal attention, quadratic in the context: a prefill's way, not a verify's.)
+    prefix plus themselves, for the whole batch in one masked SDPA per layer. (torch_native's
+    own extend pads the queries to the whole sequence and runs full causal attention per
+    request, quadratic in the context: a prefill's way, not a verify's.)
     """
+
+    _plan: VerifyPlan | None = None
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        super().init_forward_metadata(forward_batch)
+        self._plan = (self._verify_plan(forward_batch)
+                      if forward_batch.forward_mode.is_target_verify() else None)
+
+    def _verify_plan(self, forward_batch) -> VerifyPlan | None:
+        """The verify forward's reads from the KV pool."""
+        lens_cpu = forward_batch.seq_lens_cpu
+        longest = int((forward_batch.seq_lens if lens_cpu is None else lens_cpu).max())
+        return VerifyPlan.of(self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                             forward_batch.seq_lens, longest,
+                             forward_batch.spec_info.draft_token_num)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         if not forward_batch.forward_mode.is_target_verify():
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if self._plan is None:
+            raise RuntimeError("TARGET_VERIFY forward without init_forward_metadata")
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
-        lens = forward_batch.seq_lens_cpu
-        lens = (forward_batch.seq_lens if lens is None else lens).tolist()
-        o = self._run_sdpa_verify(
-            q, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices.tolist(), lens,
-            forward_batch.spec_info.draft_token_num, layer,
+        o = self._plan.attend(
+            q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id), layer,
         )
-        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-    @staticmethod
-    def _run_sdpa_verify(q, k_cache, v_cache, req_to_token, req_pool_indices: list[int],
-                         prefix_lens: list[int], width: int, layer) -> torch.Tensor:
-        """Attention of each request's `width` chain queries over its prefix plus the chain,
-        reading request i's keys at `k_cache[req_to_token[req_pool_indices[i]]]` (SGLang's
-        `_run_sdpa_forward_*` convention): o [tokens, Hq, Dv]."""
-        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = q.new_empty((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        offsets = torch.arange(width, device=q.device)
-        for i, (slot, prefix) in enumerate(zip(req_pool_indices, prefix_lens, strict=True)):
-            rows = req_to_token[slot, : prefix + width]
-            keys, values = k_cache[rows].movedim(0, 1), v_cache[rows].movedim(0, 1)
-            span = slice(i * width, (i + 1) * width)
-            query = q[span].movedim(0, 1)  # [Hq, width, D]
-            if keys.dtype != query.dtype:
-                keys, values = keys.to(query.dtype), values.to(query.dtype)
-            # Query j sits at position prefix + j and sees keys 0..prefix + j.
-            visible = (torch.arange(prefix + width, device=q.device)[None]
-                       <= prefix + offsets[:, None])
-            o[span] = F.scaled_dot_product_attention(
-                query[None], keys[None], values[None], attn_mask=visible[None, None],
-                scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-            )[0].movedim(0, 1)
-        return o
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -162,6 +162,53 @@ def verify_tree_greedy_cpu(
     accept_token_num.copy_(torch.tensor(counts, dtype=accept_token_num.dtype))
 
 
+_U32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _U32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = _rotl32((k * 0xCC9E2D51) & _U32, 15)
+    k = (k * 0x1B873593) & _U32
+    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _U32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor,
+                      col_indices: torch.Tensor) -> torch.Tensor:
+    """uint32 [n, m]: `murmur_hash32_kernel` of `sglang/kernels/ops/sampling/murmur_hash.py`,
+    the hash behind SGLang's seeded sampler (`multinomial_with_seed`, deterministic
+    inference), in int64 arithmetic masked to 32 bits: the seed's low and high words, the
+    row's position and the column mixed in that order, then the 16-byte finalizer."""
+    seed = seed.to(torch.int64)  # uint64 -> int64 keeps the bits
+    h = torch.zeros(seed.shape, dtype=torch.int64)
+    for word in (seed & _U32, (seed >> 32) & _U32, positions.to(torch.int64) & _U32):
+        h = _murmur3_mix(h, word)
+    h = _murmur3_mix(h[:, None], (col_indices.to(torch.int64) & _U32)[None, :]) ^ 16
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _U32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _U32
+    h ^= h >> 16
+    return h.to(torch.uint32)
+
+
+def _register_torch_ops() -> None:
+    """Ops SGLang calls through `torch.ops.sgl_kernel` rather than as module attributes."""
+    if hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        return
+    library = torch.library.Library("sgl_kernel", "FRAGMENT")
+    library.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) "
+                   "-> Tensor")
+    library.impl("murmur_hash32_cpu", murmur_hash32_cpu, "CPU")
+    _LIBRARIES.append(library)  # a Library deregisters its ops when collected
+
+
+_LIBRARIES: list[torch.library.Library] = []
+_register_torch_ops()
+
+
 IMPLEMENTED: dict[str, Callable] = {
     f.__name__: f
     for f in (
@@ -169,6 +216,7 @@ IMPLEMENTED: dict[str, Callable] = {
         assign_extend_cache_locs_cpu,
         copy_all_layer_kv_cache_cpu,
         fill_accept_out_cache_loc_cpu,
+        murmur_hash32_cpu,
         verify_tree_greedy_cpu,
     )
 }
