@@ -16,6 +16,11 @@ reads all three parts (pages, exact window, tail up to each row's own step); ove
 own block, the block and the tail are attended apart and combined by their log-sum-exp
 (`vericache_kernels.merge_attention`). Nothing is written to the KV pool while drafting, so a
 rejected draft leaves no trace.
+
+Extend (prefill) is SGLang's `torch_native` forward over the full KV; for compressors that select
+tokens by attention it also records the prompt's observation scores. The backend is lossy by
+construction, so it is not registered as a server-wide `--attention-backend`: the drafting
+worker owns an instance, and every token it drafts is verified over the full KV.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 import vericache_kernels as kernels
-from vericache_sglang.attention.compressed_backend import CompressedTierAttnBackend
+from vericache_sglang.compress.attention_probs import causal_attention_probs
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
@@ -81,7 +87,7 @@ class _RowGroups:
         return out[self.group, self.offset], lse[self.group, self.offset]
 
 
-class DraftAttnBackend(CompressedTierAttnBackend):
+class DraftAttnBackend(TorchNativeAttnBackend):
     """Decode over each request's compressed committed prefix plus its exact draft tail.
 
     Before a round the worker calls `begin_round(req_slots, committed_lens, max_steps)`;
@@ -98,7 +104,8 @@ class DraftAttnBackend(CompressedTierAttnBackend):
                  staging: StagingArea | None = None) -> None:
         """`staging`: given when the full KV is in host memory; the round's exact rows are then
         read from it once per round into device buffers (counted as full-tier reads)."""
-        super().__init__(model_runner, tier)
+        super().__init__(model_runner)
+        self.tier = tier
         self.pool = pool
         self.staging = staging
         self._window: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -124,6 +131,32 @@ class DraftAttnBackend(CompressedTierAttnBackend):
         # context; checked against the pool before reuse, so a slot reused by another
         # request or a freed page only costs a fresh lookup).
         self._known_pages: dict[int, torch.Tensor] = {}
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.tier.compressor.needs_scores:
+            self.observe_prompt(q, layer, forward_batch)
+        return out
+
+    def observe_prompt(self, q, layer, forward_batch) -> None:
+        """Record attention probabilities of each request's last extend queries."""
+        window = self.tier.compressor.score_window()
+        q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        start = 0
+        for i, extend_len in enumerate(forward_batch.extend_seq_lens_cpu):
+            seq_len = int(forward_batch.seq_lens_cpu[i])
+            slot = int(forward_batch.req_pool_indices[i])
+            rows = self.req_to_token_pool.req_to_token[slot, :seq_len]
+            queries = q[start : start + extend_len]
+            start += extend_len
+            first = seq_len - extend_len  # position of the first extend query
+            if window is not None:
+                cut = max(extend_len - window, 0)
+                queries, first = queries[cut:], first + cut
+            scores = causal_attention_probs(queries, k_buffer[rows], first, layer.scaling,
+                                            summed=window is None)
+            self.tier.observe(layer.layer_id, slot, scores)
 
     def begin_round(self, req_slots: list[int], committed_lens: list[int],
                     max_steps: int) -> None:
