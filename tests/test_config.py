@@ -88,7 +88,7 @@ def test_size_parsing_for_budgets():
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},
      "--vericache-staging-budget sizes the host placement"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
-    ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of none, ngram, model"),
+    ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of auto, none, ngram, model"),
     ({"vericache_drafter": "model"}, "--vericache-drafter model needs --vericache-draft-model"),
     ({"vericache_draft_model": "/nonexistent/draft"}, "/nonexistent/draft is not a model dir"),
     ({"vericache_drafter": "ngram", "vericache_draft_model": "/srv/draft"},
@@ -97,7 +97,8 @@ def test_size_parsing_for_budgets():
      "--vericache-drafter-max-length <= 32"),
     ({"vericache_drafter": "ngram", "vericache_drafter_min_length": 4,
       "vericache_drafter_max_length": 2}, "1 <= --vericache-drafter-min-length"),
-    ({"vericache_drafter_max_length": 4}, "they do nothing with --vericache-drafter none"),
+    ({"vericache_drafter": "none", "vericache_drafter_max_length": 4},
+     "they do nothing with --vericache-drafter none"),
 ])
 def test_invalid_values_raise_one_clear_error(values, message):
     with pytest.raises(VeriCacheConfigError, match=message) as info:
@@ -162,9 +163,26 @@ def test_sglang_settings_vericache_cannot_honour_are_refused(given, message):
     assert args.speculative_algorithm == given.get("speculative_algorithm")  # nothing set
 
 
-def test_configure_sets_what_vericache_needs():
-    args = vericache_server_args({"vericache_max_draft_length": 32})
-    algorithm.configure(args)
-    assert (args.speculative_algorithm, args.speculative_num_draft_tokens,
-            args.speculative_num_steps, args.disable_overlap_schedule) == (
-        algorithm.ALGORITHM, 33, 32, True)
+def test_sglang_declares_the_settings_vericache_implies(demo_model):
+    """SGLang's own resolution switches to VERICACHE and runs its `handle_server_args`, and
+    records what it sets as that algorithm's declarations, not as the user's input."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # the plugin's flags and hooks (idempotent)
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", str(demo_model), "--enable-vericache",
+                                "--vericache-max-draft-length", "32"])
+    args.resolve_once()  # what the launcher and Engine do before publishing
+    declared = {name: value for source, fields in args._resolved_overrides
+                if source == "handle_speculative_decoding.custom_algo"
+                for name, value in fields.items()}
+    assert declared == {"speculative_num_draft_tokens": 33, "speculative_num_steps": 32,
+                        "speculative_eagle_topk": 1, "disable_overlap_schedule": True,
+                        "decode_log_interval": 1}
+    assert args._raw_input["disable_overlap_schedule"] is False  # the user's, untouched
+    resolved = resolved_view(args)  # what SGLang projects onto the published record
+    assert (resolved.speculative_algorithm, resolved.speculative_num_draft_tokens,
+            resolved.speculative_num_steps, resolved.disable_overlap_schedule,
+            resolved.decode_log_interval) == (algorithm.ALGORITHM, 33, 32, True, 1)

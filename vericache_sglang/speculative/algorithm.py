@@ -2,10 +2,13 @@
 
 `register()` adds the algorithm through SGLang's public `SpeculativeAlgorithm.register` (every
 process that resolves server arguments or builds the scheduler must call it; the plugin entry
-point runs in each of them). `configure(server_args)` switches a not-yet-resolved record over
-to it when VeriCache is enabled; it is the one place the record is rewritten: the algorithm,
-the overlap scheduler and mixed chunking off, and the draft-width fields SGLang sizes its
-per-request KV reservation from (verify width = longest draft + 1 root token).
+point runs in each of them). `configure(server_args)` checks a not-yet-resolved record with
+VeriCache enabled and switches it over to the algorithm (and, on CUDA, picks the sampling
+backend, which SGLang resolves before any speculative hook). The settings the algorithm implies
+(the overlap scheduler off, the draft-width fields SGLang sizes its per-request KV reservation
+from: verify width = longest draft + 1 root token, the decode log interval) are SGLang's own
+seam: `VeriCacheSpecAlgo.handle_server_args`, which SGLang's resolution runs and declares as
+this algorithm's (`record_foreign_defaults`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,23 @@ class VeriCacheSpecAlgo(CustomSpecAlgo):
     Also provides the `SpeculativeAlgorithm` methods SGLang 0.5.23's scheduler calls on any
     algorithm but `CustomSpecAlgo` lacks.
     """
+
+    def handle_server_args(self, server_args: Any) -> None:
+        """The SGLang settings VERICACHE implies. SGLang calls this while resolving the
+        arguments (`handle_speculative_decoding`) on a recorder, and declares every write as
+        this algorithm's resolution."""
+        longest = get_config(server_args).vericache_max_draft_length
+        server_args.speculative_num_draft_tokens = longest + 1
+        server_args.speculative_num_steps = longest
+        server_args.speculative_eagle_topk = 1
+        server_args.disable_overlap_schedule = True
+        if server_args.decode_log_interval == DEFAULT_DECODE_LOG_INTERVAL:
+            # SGLang takes decode stats (its log line and gauges such as
+            # sglang:num_running_reqs) every that many decode forwards, counted from the last
+            # /flush_cache. A VeriCache forward emits a round of ~20 tokens, so at 40 a request
+            # could run and finish with the gauges never set; every forward is about as often,
+            # in tokens, as plain's 40.
+            server_args.decode_log_interval = 1
 
     def carries_draft_hidden_states(self) -> bool:
         return False
@@ -123,24 +143,15 @@ def configure(server_args: Any) -> None:
         raise startup.error(
             f"--vericache-max-draft-length {longest} leaves no room in --context-length "
             f"{server_args.context_length}: a round needs that many + 1 positions")
-    server_args.speculative_algorithm = ALGORITHM
-    server_args.speculative_num_draft_tokens = longest + 1
-    server_args.speculative_num_steps = longest
-    server_args.speculative_eagle_topk = 1
-    server_args.disable_overlap_schedule = True
+    server_args.speculative_algorithm = ALGORITHM  # handle_server_args sets the rest
     if server_args.sampling_backend is None and get_platform().has_flashinfer:
         # SGLang's default on CUDA is flashinfer, whose fused top-k/top-p/min-p kernels a
-        # round does not reproduce: under it those requests take plain steps.
+        # round does not reproduce: under it those requests take plain steps. (Here, not in
+        # handle_server_args: SGLang resolves this default before the speculative hook.)
         server_args.sampling_backend = "pytorch"
         logger.info("VeriCache: --sampling-backend pytorch, so that top-k, top-p and min-p "
                     "requests draft too (pass --sampling-backend flashinfer to keep SGLang's "
                     "default; those requests then take plain decode steps)")
-    if server_args.decode_log_interval == DEFAULT_DECODE_LOG_INTERVAL:
-        # SGLang takes decode stats (its log line and gauges such as sglang:num_running_reqs)
-        # every that many decode forwards, counted from the last /flush_cache. A VeriCache
-        # forward emits a round of ~20 tokens, so at 40 a request could run and finish with
-        # the gauges never set; every forward is about as often, in tokens, as plain's 40.
-        server_args.decode_log_interval = 1
 
 
 DEFAULT_DECODE_LOG_INTERVAL = 40
@@ -153,7 +164,8 @@ SET_BY_VERICACHE = {
     "speculative_eagle_topk": "VeriCache drafts one chain per request",
     "enable_mixed_chunk": "VeriCache runs prefill and decode in separate batches",
 }
-"""SGLang arguments `configure` sets, with why a user's value could not be honoured."""
+"""SGLang arguments VERICACHE decides (`VeriCacheSpecAlgo.handle_server_args` sets the draft
+fields; mixed chunking stays off), with why a user's value could not be honoured."""
 
 QUANTIZED_KV_DTYPES = ("fp8", "mxfp8", "nvfp4", "fp4")
 
