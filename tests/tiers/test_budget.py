@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError
-from vericache_sglang.tiers.budget import _Geometry, plan_device_budget
+from vericache_sglang.tiers.budget import WINDOW_BUDGET_SHARE, _Geometry, plan_device_budget
 
 DEMO = _Geometry(layers=30, kv_heads=3, head_dim=64, itemsize=4, context_len=8192)
 
@@ -22,7 +22,20 @@ def test_host_placement_fits_the_device_budget_and_covers_more_tokens():
     assert device <= plan.device_budget_bytes == 32768 * DEMO.full_per_token
     # 4-bit pages take about a sixth of float32 KV: five times the tokens, after the rest.
     assert plan.full_kv_tokens > 5 * 32768
-    assert plan.window_requests == 8 and plan.staging_units == 4
+    assert plan.staging_units == 4
+
+
+def test_window_reserve_follows_the_device_budget():
+    """Without --max-running-requests the drafting windows take about a sixteenth of the
+    device budget: more running requests on a larger device, never more than that share."""
+    small, large = (plan_device_budget(_config(), DEMO, tokens, max_running_requests=None)
+                    for tokens in (32768, 8 * 32768))
+    for plan in (small, large):
+        window = plan.window_bytes // plan.window_requests
+        assert plan.window_bytes <= plan.device_budget_bytes * WINDOW_BUDGET_SHARE
+        assert plan.window_bytes + window > plan.device_budget_bytes * WINDOW_BUDGET_SHARE
+    assert small.window_requests >= 2
+    assert large.window_requests >= 8 * small.window_requests
 
 
 def test_host_budget_caps_the_tokens():
@@ -52,7 +65,7 @@ def test_staging_budget_sets_the_units():
 
 def test_a_device_budget_too_small_is_a_clear_error():
     with pytest.raises(VeriCacheConfigError, match="raise --max-total-tokens"):
-        plan_device_budget(_config(), DEMO, 3000, max_running_requests=None)
+        plan_device_budget(_config(), DEMO, 2000, max_running_requests=None)
 
 
 def test_device_placement_keeps_full_and_compressed_within_the_budget():

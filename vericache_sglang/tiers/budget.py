@@ -41,9 +41,13 @@ MAX_REQUESTS_TARGET = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfig
                        "resolve_max_num_reqs")
 """The configurator step that caps concurrent requests."""
 
-DEFAULT_WINDOW_REQUESTS = 8
-"""Running requests whose drafting windows the device reserves when --max-running-requests is
-not given (host placement)."""
+WINDOW_BUDGET_SHARE = 1 / 16
+"""Share of the device budget reserved for running requests' drafting windows when
+--max-running-requests is not given (host placement). A window holds full KV, about six times
+the bytes of the compressed context it displaces, so the reserve trades context for
+concurrency: a sixteenth keeps at least 15/16 of the budget for the compressed pool and
+staging, and the number of requests grows with the device (9 on the tests' 1.5 GB budget of
+the demo model, hundreds on a GPU's)."""
 
 DEFAULT_STAGING_UNITS = 4
 """Staging buffers by default: one copied while one is read, and two more of lead."""
@@ -123,12 +127,12 @@ def plan_device_budget(config: VeriCacheConfig, geometry: _Geometry, tokens: int
                           staging_units=units, staging_bytes=staging,
                           host_budget_bytes=host_budget)
     plan = compressor.plan(0)
-    requests = max_running_requests or DEFAULT_WINDOW_REQUESTS
     # Drafting reads up to residual + group - 1 exact tokens and keeps its drafts' K/V; then
     # verify keeps the chain's (drafts + 1) until acceptance: full KV of these tokens per
     # running request.
-    window_tokens = plan.residual + plan.group + config.vericache_max_draft_length
-    windows = requests * window_tokens * full
+    window = (plan.residual + plan.group + config.vericache_max_draft_length) * full
+    requests = max_running_requests or max(1, int(budget * WINDOW_BUDGET_SHARE) // window)
+    windows = requests * window
     page_bytes = _page_bytes(compressor, geometry)
     left = budget - staging - windows
     pages = int(left // page_bytes) if left > 0 else 0
