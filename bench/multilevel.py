@@ -57,7 +57,7 @@ from vericache_sglang.speculative.meta_info import (
 BATCH = ["--max-running-requests", "4"]
 SERVERS = {
     "plain SGLang": [],
-    "VeriCache, one level": VERICACHE,
+    "VeriCache, one level": [*VERICACHE, "--vericache-drafter", "none"],
     "VeriCache + ngram": [*VERICACHE, "--vericache-drafter", "ngram"],
     "SGLang NGRAM": ["--speculative-algorithm", "NGRAM", "--disable-overlap-schedule"],
 }

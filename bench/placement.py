@@ -29,7 +29,8 @@ SERVERS = {
     "plain SGLang": [],
     **{f"VeriCache {tier}, {level}": [*VERICACHE, "--vericache-full-tier", tier, *drafter]
        for tier in ("host", "device")
-       for level, drafter in (("one level", []), ("ngram", ["--vericache-drafter", "ngram"]))},
+       for level, drafter in (("one level", ["--vericache-drafter", "none"]),
+                               ("ngram", ["--vericache-drafter", "ngram"]))},
 }
 
 

@@ -81,7 +81,7 @@ class Config:
         k = str(self.k)
         return ["--enable-vericache", "--vericache-compressor", self.spec,
                 "--vericache-draft-length", k, "--vericache-min-draft-length", k,
-                "--vericache-max-draft-length", k]
+                "--vericache-max-draft-length", k, "--vericache-drafter", "none"]
 
 
 @dataclass

@@ -92,7 +92,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_draft_length": 16,
         "vericache_min_draft_length": 4,
         "vericache_max_draft_length": 64,
-        "vericache_drafter": "none",
+        "vericache_drafter": "ngram",  # auto, without a draft model
         "vericache_draft_model": None,
         "vericache_drafter_min_length": 1,
         "vericache_drafter_max_length": 8,
@@ -100,4 +100,5 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_full_tier_budget": int(HOST_BUDGET),
         "vericache_disk_dir": None,
         "vericache_staging_budget": None,
+        "vericache_store_reads": "always",
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 FULL_TIER_PLACEMENTS = ("auto", "device", "host", "disk")
 DRAFTERS = ("auto", "none", "ngram", "model")
+STORE_READS = ("always", "auto")
 
 MAX_DRAFTER_LENGTH = 32
 """The most tokens a level-2 drafter may propose per check: one check forward over the
@@ -172,6 +173,18 @@ class VeriCacheConfig:
             "parse": parse_size,
         },
     )
+    vericache_store_reads: str = field(
+        default="always",
+        metadata={
+            "help": "With a KV store (--hicache-storage-backend, or --vericache-full-tier disk): "
+            "'always' reads every stored page of a prompt's prefix; 'auto' measures how long "
+            "this server takes to read a stored page (transfer and decode) and to prefill a "
+            "token, and recomputes a stored prefix when reading it would take longer, as "
+            "CacheGen does on a slow link (the choice is logged and counted in "
+            "vericache:store_reads_declined; output is the same either way).",
+            "choices": STORE_READS,
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("vericache_draft_length", "vericache_min_draft_length",
@@ -209,6 +222,10 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(
                 "--vericache-drafter-min-length and --vericache-drafter-max-length bound a "
                 "level-2 drafter; they do nothing with --vericache-drafter none")
+        if self.vericache_store_reads not in STORE_READS:
+            raise VeriCacheConfigError(
+                f"--vericache-store-reads must be one of {', '.join(STORE_READS)}, "
+                f"got {self.vericache_store_reads!r}")
         if self.vericache_full_tier not in FULL_TIER_PLACEMENTS:
             raise VeriCacheConfigError(
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "

@@ -107,11 +107,19 @@ class VeriCacheMetrics:
             "vericache:store_codec_seconds", "Time spent coding pages for the KV store "
             "(direction: written = encode, read = decode and checks).",
             labelnames=[*labels.keys(), "direction"])
+        self.store_reads_declined = Counter(
+            "vericache:store_reads_declined", "Stored pages not read because recomputing them "
+            "was measured to be faster (--vericache-store-reads auto).",
+            labelnames=list(labels.keys()))
         self._store_seen: dict[str, float] = {}
 
-    def record_store(self, snapshot: dict) -> None:
+    def record_store(self, snapshot: dict, declined_pages: int = 0) -> None:
         """Bring the store counters up to the storage backend's running counts
-        (`stores.file.StoreStats.snapshot`)."""
+        (`stores.pages.StoreStats.snapshot`, `stores.admission.ADMISSION`'s declined pages)."""
+        step = declined_pages - self._store_seen.get("declined", 0)
+        if step > 0:
+            self._store_seen["declined"] = declined_pages
+            self.store_reads_declined.labels(**self._labels).inc(step)
         running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
         running.update(snapshot["io"])
         for name, total in running.items():

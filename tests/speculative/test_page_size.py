@@ -33,7 +33,7 @@ import pytest
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
-from tests.speculative.identity import PROMPTS, payload, send_all, stats
+from tests.speculative.identity import PROMPTS, payload, send_all, stats, vericache_metrics
 from vericache_sglang.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -100,15 +100,18 @@ def store_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir) -> dict:
     """Server A's answers, its `/server_info`, and the files of the stored prompt's pages,
-    written before A stopped."""
+    written before A stopped (heapq's too, which server C reads)."""
     del plain_answers  # asked first, and its server stopped
     with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
                        ) as server:
         answers = {"batch": send_all(server, paged_requests["batch"]),
                    "reuse": server.generate(paged_requests["reuse"])}
+        heapq = paged_requests["batch"][NAMES.index("heapq_400")]
         deadline = time.monotonic() + 300
-        while (len(files := _page_files(store_dir, paged_requests["reuse"]))
-               < STORED_TOKENS // PAGE_SIZE and time.monotonic() < deadline):
+        while ((len(files := _page_files(store_dir, paged_requests["reuse"]))
+                < STORED_TOKENS // PAGE_SIZE
+                or len(_page_files(store_dir, heapq)) < len(heapq["input_ids"]) // PAGE_SIZE)
+               and time.monotonic() < deadline):
             time.sleep(1)
         return {**answers, "info": server.server_info(), "files": files}
 
@@ -128,6 +131,29 @@ def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_d
         out["store_io"] = server.server_info()["internal_states"][0]["vericache_state"][
             "store_io"]
         return out
+
+
+@pytest.fixture(scope="module")
+def recomputed_answer(demo_model: Path, tokenizer, paged_requests, reloaded_answer,
+                      store_dir) -> dict:
+    """Server C, B's settings with `--vericache-store-reads auto`: it measures a long
+    prefill (a prompt nobody stored), then a read (heapq's stored pages), and then answers
+    the reused request, whose prefix is stored too, by the faster of the two."""
+    del reloaded_answer  # B has stopped
+    with ServerProcess(demo_model, [
+        *PAGED_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
+        "--vericache-draft-length", "16", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+        json.dumps({"file_storage_path": str(store_dir)}),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--vericache-store-reads", "auto",
+    ]) as server:
+        server.generate(payload(PROMPTS["difflib_2600"](tokenizer), "code", max_new_tokens=1))
+        read = server.generate(paged_requests["batch"][NAMES.index("heapq_400")])
+        out = server.generate(paged_requests["reuse"])
+        state = server.server_info()["internal_states"][0]["vericache_state"]
+        return {**out, "first_read": read, "store_reads": state["store_reads"],
+                "metrics": vericache_metrics(server)}
 
 
 def test_the_server_runs_with_pages_of_64(vericache_answers):
@@ -175,3 +201,20 @@ def test_a_prefix_stored_in_coded_pages_is_reloaded_by_the_next_server(
     io = out["store_io"]
     assert io["read_coded_pages"] >= STORED_TOKENS // PAGE_SIZE
     assert io.get("read_raw_pages", 0) == 0
+
+
+def test_a_stored_prefix_slower_to_read_than_to_prefill_is_recomputed(recomputed_answer,
+                                                                      plain_answers):
+    """On this CPU a coded page decodes slower than the model prefills it: with
+    `--vericache-store-reads auto` the server, once it has measured both, recomputes the
+    stored prefix, counts the pages it did not read, and answers as plain SGLang does."""
+    reads = recomputed_answer["store_reads"]
+    print(f"\n[store reads auto] {reads}")
+    assert recomputed_answer["first_read"]["meta_info"]["cached_tokens_details"]["storage"] > 0
+    assert reads["read_seconds_per_token"] > reads["prefill_seconds_per_token"] > 0
+    out, expected = recomputed_answer, plain_answers["reuse"]
+    assert out["output_ids"] == expected["output_ids"]
+    assert out["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert reads["declined_pages"] >= STORED_TOKENS // PAGE_SIZE
+    assert (recomputed_answer["metrics"]["vericache:store_reads_declined_total"]
+            == reads["declined_pages"])

@@ -4,6 +4,7 @@ Prometheus (`--enable-metrics`), and each request's own figures in its `meta_inf
 from __future__ import annotations
 
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
+from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.tiers.staging import FetchStats
 
@@ -42,7 +43,7 @@ class WorkerStats:
         self.add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
                              plain_decode_steps=len(verified) - rounds), compressed_pages)
         if self.metrics is not None:
-            self.metrics.record_store(STORE_STATS.snapshot())
+            self.metrics.record_store(STORE_STATS.snapshot(), ADMISSION.declined_pages)
 
     def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
         """Count the tokens request `row` of the last step kept of its verified round."""

@@ -40,6 +40,7 @@ bookkeeping SGLang's scheduler sees.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ from vericache_sglang.speculative.round import Round, room
 from vericache_sglang.speculative.sampling import SamplingRows
 from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_info
 from vericache_sglang.speculative.verification import judge, verify, write_logprobs
+from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.pages import STORE_STATS
 
 logger = logging.getLogger(__name__)
@@ -167,6 +169,7 @@ class VeriCacheWorker(BaseSpecWorker):
             "totals": dict(vars(stats.totals)),
             "disk_faults": store["faults"],
             "store_io": store["io"],
+            "store_reads": ADMISSION.snapshot(),
         }
 
     @property
@@ -254,9 +257,16 @@ class VeriCacheWorker(BaseSpecWorker):
         # the staged backend records them itself.
         backends = self.backends
         scoring = self.compressor.needs_scores and backends.full is None
+        began = time.perf_counter()
         with (self.forwards.bound(backends.draft) if scoring
               else self.forwards.full_kv(backends.full)):
             result = self._target_worker.forward_batch_generation(batch)
+        if ADMISSION.enabled and batch.extend_num_tokens:
+            # The store's read-or-recompute choice needs the prefill rate. Waiting for the
+            # result here costs a prefill nothing on a CPU; on a GPU it ends the forward's
+            # overlap with the host (only with --vericache-store-reads auto).
+            result.next_token_ids.sum().item()
+            ADMISSION.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
         result.new_seq_lens = batch.seq_lens
         result.next_draft_input = VeriCacheDraftInput(
             bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),

@@ -39,7 +39,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 
 from vericache_sglang.codec import StreamError
 
-from .pages import STORE_STATS, PageCoder, fault_kind, vericache_compressor
+from .admission import ADMISSION
+from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class VeriCacheFileStorage(HiCacheFile):
         super().__init__(storage_config)
         self.compressor = compressor
         self._coder: PageCoder | None = None
+        self._page_tokens = 1
         self._written: set[str] = set()
         self._written_lock = threading.Lock()
         # A page the size cap evicted is gone on purpose, not lost.
@@ -75,6 +77,8 @@ class VeriCacheFileStorage(HiCacheFile):
         super().register_mem_pool_host(mem_pool_host)
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
         page_size = getattr(mem_pool_host, "page_size", 1)
+        self._page_tokens = page_size
+        ADMISSION.enabled = store_reads_auto()
         if self._coder is not None:
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
                         "(levels %s bits, then the exact KV)", page_size,
@@ -121,6 +125,12 @@ class VeriCacheFileStorage(HiCacheFile):
             if lost:
                 STORE_STATS.record("missing", key, "its file is gone")
         return found
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Stored pages at the front of `keys`, or none where recomputing them is measured to
+        be faster (`--vericache-store-reads auto`)."""
+        return ADMISSION.pages_to_read(super().batch_exists(keys, extra_info),
+                                       self._page_tokens)
 
     def _read(self, key: str, limit: int) -> bytearray | None:
         """The page file's bytes (at most `limit`), or None (a counted fault)."""
@@ -169,7 +179,9 @@ class VeriCacheFileStorage(HiCacheFile):
                 torch.frombuffer(record, dtype=torch.uint8, count=expected))
             form = "raw"
         self._evictor.touch(self._get_suffixed_key(key), self._path(key))
-        STORE_STATS.add("read", form, len(record), expected, time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        STORE_STATS.add("read", form, len(record), expected, seconds)
+        ADMISSION.record_read(self._page_tokens, seconds)
         return target_location
 
     def set(self, key: str, value: Any = None, target_location: Any = None,

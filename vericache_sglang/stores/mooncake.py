@@ -35,7 +35,8 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 
 from vericache_sglang.codec import StreamError
 
-from .pages import STORE_STATS, PageCoder, fault_kind, vericache_compressor
+from .admission import ADMISSION
+from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 from .reconnect import build_or_reconnect
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        ADMISSION.enabled = store_reads_auto()
         if self.is_mla_backend or self.should_split_heads:
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
@@ -98,8 +100,13 @@ class VeriCacheMooncakeStore(MooncakeStore):
         return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if self._coder is None:
-            return super().batch_exists(keys, extra_info)
+        """Stored pages at the front of `keys`, or none where recomputing them is measured to
+        be faster (`--vericache-store-reads auto`)."""
+        hits = (super().batch_exists(keys, extra_info) if self._coder is None
+                else self._coded_hits(keys))
+        return ADMISSION.pages_to_read(hits, self.mem_pool_host.page_size)
+
+    def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
         found = self._batch_exist(names)
         hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
@@ -157,8 +164,10 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 break
             index = host_indices[i * page].item()
             self.mem_pool_host.set_from_flat_data_page(index, target)
+            seconds = time.perf_counter() - began
             STORE_STATS.add("read", "coded", len(blob), target.numel() * target.element_size(),
-                            time.perf_counter() - began)
+                            seconds)
+            ADMISSION.record_read(page, seconds)
             results[i] = True
         return results
 

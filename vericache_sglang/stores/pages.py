@@ -119,6 +119,12 @@ def fault_kind(error: StreamError) -> str:
     return "short" if "truncated" in str(error) else "corrupt"
 
 
+def store_reads_auto() -> bool:
+    """Whether this process's server measures reads against prefill (`stores/admission.py`)."""
+    config = served_config()
+    return config.enable_vericache and config.vericache_store_reads == "auto"
+
+
 def vericache_compressor() -> str | None:
     """The compressor spec of the server this process runs, or None without VeriCache."""
     config = served_config()

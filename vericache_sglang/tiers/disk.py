@@ -29,6 +29,13 @@ def configure(server_args: Any) -> None:
     config = get_config(server_args)
     if not config.enable_vericache:
         return
+    if (config.vericache_store_reads != "always" and config.vericache_full_tier != "disk"
+            and not (server_args.enable_hierarchical_cache
+                     and server_args.hicache_storage_backend is not None)):
+        raise startup.error(
+            f"--vericache-store-reads {config.vericache_store_reads} chooses between reading "
+            "a KV store and recomputing: give one (--enable-hierarchical-cache "
+            "--hicache-storage-backend file|mooncake, or --vericache-full-tier disk)")
     if (server_args.enable_hierarchical_cache and config.vericache_full_tier == "host"
             and server_args.hicache_storage_backend is not None):
         # One host pool: the full KV already lives in host memory (VeriCache's host tier); a

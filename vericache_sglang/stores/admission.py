@@ -1,0 +1,91 @@
+"""Read a stored prefix, or recompute it: whichever this server measures to finish first.
+
+CacheGen's rule for a prefix behind a link: reading k pages costs k times what reading one
+takes (transfer, then decoding the stream), recomputing them costs their prefill. With
+`--vericache-store-reads auto` this process keeps both rates as it measures them (seconds per
+token of the pages its store reads, seconds per token of the prefills its worker runs), and
+once both are known the store reports no hit for a prefix whose pages would take longer to read
+than to prefill: SGLang then prefills it, the output is the same (a prefill is what a miss
+gets), and the declined pages are counted (`vericache:store_reads_declined`). Until both rates
+are known it reads, which measures. `always` (the default) reads every stored page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+DECAY = 0.7
+"""Weight the running sums keep at each new measurement (older ones fade)."""
+
+
+class Rate:
+    """Seconds per token over recent measurements, weighted by their tokens: a long prefill
+    counts for more than a short one (whose fixed costs would overstate the rate)."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._tokens = 0.0
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self._seconds / self._tokens if self._tokens else None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        self._seconds = DECAY * self._seconds + seconds
+        self._tokens = DECAY * self._tokens + tokens
+
+
+class ReadOrRecompute:
+    """This process's measured read and prefill rates, and the choice they make."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.enabled = False
+        self.read = Rate()
+        self.prefill = Rate()
+        self.declined_pages = 0
+        self._logged = False
+
+    def record_read(self, tokens: int, seconds: float) -> None:
+        """A page of `tokens` read from the store (transfer and decode) in `seconds`."""
+        with self._lock:
+            self.read.add(tokens, seconds)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill forward of `tokens` new tokens took `seconds`."""
+        with self._lock:
+            self.prefill.add(tokens, seconds)
+
+    def pages_to_read(self, hits: int, page_tokens: int) -> int:
+        """Of `hits` consecutive stored pages, how many to read: all, or none when both rates
+        are known and reading is the slower."""
+        if not self.enabled or hits == 0:
+            return hits
+        with self._lock:
+            read, prefill = self.read.seconds_per_token, self.prefill.seconds_per_token
+            if read is None or prefill is None or read <= prefill:
+                return hits
+            self.declined_pages += hits
+            first = not self._logged
+            self._logged = True
+        if first:
+            logger.info("VeriCache store: %d stored pages recomputed instead of read: reading "
+                        "measured %.2f ms per token, prefill %.2f ms (--vericache-store-reads "
+                        "auto; logged once, counted in vericache:store_reads_declined)",
+                        hits, 1e3 * read, 1e3 * prefill)
+        return 0
+
+    def snapshot(self) -> dict[str, float | int | None]:
+        with self._lock:
+            return {"enabled": self.enabled, "declined_pages": self.declined_pages,
+                    "read_seconds_per_token": self.read.seconds_per_token,
+                    "prefill_seconds_per_token": self.prefill.seconds_per_token}
+
+
+ADMISSION = ReadOrRecompute()
+"""The choice for this process's store (one scheduler process, one store)."""
