@@ -10,9 +10,12 @@ answers the prefix plus a question, streamed: the times are B's, from sending th
 the bytes are what crossed the shaped link while B answered (`tc -s class show`). Plain SGLang
 without a store answers the same request: every output must equal it.
 
-What this measures today is VeriCache as built: a request whose prefix is stored waits for all
-of its pages, as SGLang's prefetch does (issue 27 builds drafting on the compressed pages
-while the exact KV still arrives).
+Every server B first answers a long prompt nobody stored and a short one A stored, as a server
+that has been serving would have: `vericache-auto` (`--vericache-store-reads auto`) has then
+measured its read and prefill rates, and recomputes the stored prefix when reading it is the
+slower. What this measures today is VeriCache as built: a request whose prefix is read waits
+for all of its pages, as SGLang's prefetch does (issue 27 builds drafting on the compressed
+pages while the exact KV still arrives).
 
     python -m bench.remote_prefix --prefix-tokens 3200 --rate-mbit 200 --new-tokens 64
 """
@@ -46,6 +49,7 @@ CONFIGS = {
     "recompute": None,
     "hicache": [],
     "vericache": serving.VERICACHE,
+    "vericache-auto": [*serving.VERICACHE, "--vericache-store-reads", "auto"],
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
 
@@ -74,12 +78,23 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int) -> dict
             "cached": last["meta_info"].get("cached_tokens_details") or {}}
 
 
+def warm_up(server: ServerProcess, unstored: list[int], stored: list[int]) -> None:
+    """A long prefill, then a prompt whose pages are stored (read, where the server reads)."""
+    for ids in (unstored, stored):
+        server.generate(serving.request(ids, 1))
+
+
 def run_inside(args: argparse.Namespace) -> dict:
     """The measurement, in the link's namespace."""
     target = cli.model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(target)
     prefix = stdlib_ids(tokenizer, "inspect", args.prefix_tokens, start=100)
     question = prefix + stdlib_ids(tokenizer, "bisect", 60, start=300)
+    # Before the timed request every server B answers a long prompt nobody stored and one
+    # A stored: a server that has been serving, whose rates (`--vericache-store-reads auto`)
+    # are measured.
+    unstored = stdlib_ids(tokenizer, "difflib", 2000, start=0)
+    stored = stdlib_ids(tokenizer, "heapq", 640, start=0)
     results: dict[str, dict] = {}
     with MooncakeService(segment_size=args.segment_mib << 20) as store:
         for name in args.configs:
@@ -87,6 +102,7 @@ def run_inside(args: argparse.Namespace) -> dict:
             print(f"[{name}]", flush=True)
             if flags is None:
                 with ServerProcess(target, BASE_ARGS, max_total_tokens=DEVICE_TOKENS) as server:
+                    warm_up(server, unstored, stored)
                     results[name] = timed_stream(server, question, args.new_tokens)
                 results[name]["link_bytes"] = 0
                 continue
@@ -96,9 +112,11 @@ def run_inside(args: argparse.Namespace) -> dict:
                                env=store.env()) as a:
                 keys = store.wait_keys(0)
                 a.generate(serving.request(prefix, 1))
+                a.generate(serving.request(stored, 1))
                 store.wait_keys(keys + 1, timeout=900, settle=5.0)
             with ServerProcess(target, server_args, max_total_tokens=DEVICE_TOKENS,
                                env=store.env()) as b:
+                warm_up(b, unstored, stored)
                 sent = link_bytes()
                 results[name] = timed_stream(b, question, args.new_tokens)
                 results[name]["link_bytes"] = link_bytes() - sent
