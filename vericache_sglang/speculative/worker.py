@@ -262,10 +262,11 @@ class VeriCacheWorker(BaseSpecWorker):
               else self.forwards.full_kv(backends.full)):
             result = self._target_worker.forward_batch_generation(batch)
         if ADMISSION.enabled and batch.extend_num_tokens:
-            # The store's read-or-recompute choice needs the prefill rate. Waiting for the
-            # result here costs a prefill nothing on a CPU; on a GPU it ends the forward's
-            # overlap with the host (only with --vericache-store-reads auto).
-            result.next_token_ids.sum().item()
+            # The store's read-or-recompute choice needs the prefill rate. On a GPU the forward
+            # only queued its kernels: wait for them (with --vericache-store-reads auto only;
+            # not yet run on a GPU). On a CPU the forward has run.
+            if str(self.device).startswith("cuda"):
+                torch.cuda.synchronize()
             ADMISSION.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
         result.new_seq_lens = batch.seq_lens
         result.next_draft_input = VeriCacheDraftInput(
