@@ -28,7 +28,7 @@ import vericache_kernels as kernels
 from vericache_sglang.compress.quant import KiviQuantizer, QuantTier
 
 from . import exact
-from .entropy import SymbolReader, SymbolWriter
+from .entropy import Grouping, SymbolReader, SymbolWriter
 from .stream import (
     Header,
     StreamError,
@@ -160,15 +160,16 @@ class _Geometry:
         self.v_meta = (n, h, d // header.v_group)
         kc = torch.zeros(self.k_codes, dtype=torch.uint8)
         vc = torch.zeros(self.v_codes, dtype=torch.uint8)
-        self.k_channel, self.v_channel = _channels(kc, vc)
-        self.channels = h * d
+        k_channel, v_channel = _channels(kc, vc)
+        self.channel_groupings = (Grouping.of(k_channel, h * d), Grouping.of(v_channel, h * d))
 
 
-def _groups(geo: _Geometry, tables: str, kind: int, previous: torch.Tensor | None,
-            prev_bits: int) -> tuple[np.ndarray, int]:
+def _grouping(geo: _Geometry, tables: str, kind: int, previous: torch.Tensor | None,
+              prev_bits: int) -> Grouping:
+    """The tables of a level's K (kind 0) or V codes: per channel, or per coarser code."""
     if tables == "channel" or previous is None:
-        return (geo.k_channel if kind == 0 else geo.v_channel), geo.channels
-    return previous.numpy().ravel().astype(np.int64), 1 << prev_bits
+        return geo.channel_groupings[kind]
+    return Grouping.of(previous.numpy().ravel(), 1 << prev_bits)
 
 
 def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
@@ -207,10 +208,9 @@ def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
             for kind, c in enumerate((kc, vc)):
                 symbols = (c >> (pool - bits)) & ((1 << width) - 1)
                 previous = c >> (pool - prev[layer]) if prev else None
-                groups, num_groups = _groups(geo, spec.tables, kind, previous,
-                                             prev[layer] if prev else 0)
-                tables.append(writer.grouped(symbols.numpy().ravel(), groups, num_groups,
-                                             1 << width))
+                grouping = _grouping(geo, spec.tables, kind, previous,
+                                     prev[layer] if prev else 0)
+                tables.append(writer.grouped(symbols.numpy().ravel(), grouping, 1 << width))
         sections = [_tables_section(tables, spec.zstd_level), writer.finish()]
         if index == 0:
             sections.insert(0, _meta_bytes(tiers, spec.zstd_level))
@@ -296,14 +296,15 @@ def _decode(header: Header, geo: _Geometry, parts: list[memoryview], want: int) 
                 continue
             for kind, codes in enumerate((kcodes[layer], vcodes[layer])):
                 previous = codes if prev else None
-                groups, num_groups = _groups(geo, header.tables, kind, previous,
-                                             prev[layer] if prev else 0)
+                grouping = _grouping(geo, header.tables, kind, previous,
+                                     prev[layer] if prev else 0)
+                num_groups = len(grouping.counts)
                 size = num_groups << width
                 if pos + size > flat.size:
                     raise StreamError("KV stream tables are short")
                 tables = flat[pos:pos + size].reshape(num_groups, 1 << width)
                 pos += size
-                symbols = reader.grouped(groups, num_groups, tables)
+                symbols = reader.grouped(grouping, tables)
                 codes.mul_(1 << width).add_(torch.from_numpy(symbols).reshape(codes.shape))
         if pos != flat.size:
             raise StreamError("KV stream tables have unexpected entries")

@@ -9,6 +9,8 @@ with `Uniform` models whose sizes the decoder computes itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import constriction
 import numpy as np
 
@@ -18,23 +20,56 @@ _model = constriction.stream.model
 _UNIFORM = _model.Uniform()
 
 
-def frequency_tables(symbols: np.ndarray, groups: np.ndarray, num_groups: int,
-                     num_symbols: int) -> np.ndarray:
+@dataclass(frozen=True)
+class Grouping:
+    """Which table codes each symbol of an array layout: the symbols' table indices, their
+    order grouped by table (stable), and each table's count. Built once per layout: a chunk's
+    layers share their channel layout, so its sort is not redone per layer and level."""
+
+    groups: np.ndarray | None
+    """int64 table index per symbol, or None: one table for all."""
+    order: np.ndarray | None
+    counts: list[int]
+
+    @classmethod
+    def of(cls, groups: np.ndarray, num_groups: int) -> Grouping:
+        groups = groups.astype(np.int64, copy=False).ravel()
+        return cls(groups, np.argsort(groups, kind="stable"),
+                   np.bincount(groups, minlength=num_groups).tolist())
+
+    @classmethod
+    def single(cls, size: int) -> Grouping:
+        return cls(None, None, [size])
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts)
+
+    def sort(self, symbols: np.ndarray) -> np.ndarray:
+        return symbols if self.order is None else symbols[self.order]
+
+    def unsort(self, ordered: np.ndarray) -> np.ndarray:
+        if self.order is None:
+            return ordered
+        symbols = np.empty_like(ordered)
+        symbols[self.order] = ordered
+        return symbols
+
+
+def frequency_tables(symbols: np.ndarray, grouping: Grouping, num_symbols: int) -> np.ndarray:
     """uint8 [num_groups, num_symbols]: each group's histogram scaled so its largest count is
     255; a symbol that occurs keeps a frequency of at least 1."""
-    hist = np.bincount(groups * num_symbols + symbols,
-                       minlength=num_groups * num_symbols).reshape(num_groups, num_symbols)
+    num_groups = len(grouping.counts)
+    index = symbols if grouping.groups is None else grouping.groups * num_symbols + symbols
+    hist = np.bincount(index, minlength=num_groups * num_symbols).reshape(num_groups,
+                                                                          num_symbols)
     top = np.maximum(hist.max(axis=1, keepdims=True), 1)
     scaled = np.rint(hist * (255.0 / top))
     return np.where(hist > 0, np.maximum(scaled, 1), 0).astype(np.uint8)
 
 
-def _order(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.argsort(groups, kind="stable"), np.bincount(groups, minlength=num_groups)
-
-
 def _categorical(freqs: np.ndarray):
-    return _model.Categorical(freqs.astype(np.float64), perfect=False)
+    return _model.Categorical(freqs, perfect=False)
 
 
 class SymbolWriter:
@@ -43,19 +78,17 @@ class SymbolWriter:
     def __init__(self) -> None:
         self._encoder = constriction.stream.queue.RangeEncoder()
 
-    def grouped(self, symbols: np.ndarray, groups: np.ndarray, num_groups: int,
-                num_symbols: int) -> np.ndarray:
+    def grouped(self, symbols: np.ndarray, grouping: Grouping, num_symbols: int) -> np.ndarray:
         """Code `symbols` (ints in [0, num_symbols)), each with its group's table; returns the
         tables, which the decoder needs."""
         symbols = symbols.astype(np.int32, copy=False).ravel()
-        groups = groups.astype(np.int64, copy=False).ravel()
-        tables = frequency_tables(symbols, groups, num_groups, num_symbols)
-        order, counts = _order(groups, num_groups)
-        ordered = symbols[order]
+        tables = frequency_tables(symbols, grouping, num_symbols)
+        freqs = tables.astype(np.float64)
+        ordered = grouping.sort(symbols)
         start = 0
-        for group, count in enumerate(counts.tolist()):
+        for group, count in enumerate(grouping.counts):
             if count:
-                self._encoder.encode(ordered[start:start + count], _categorical(tables[group]))
+                self._encoder.encode(ordered[start:start + count], _categorical(freqs[group]))
                 start += count
         return tables
 
@@ -78,21 +111,19 @@ class SymbolReader:
         words = np.frombuffer(data, dtype=np.uint32).copy()
         self._decoder = constriction.stream.queue.RangeDecoder(words)
 
-    def grouped(self, groups: np.ndarray, num_groups: int, tables: np.ndarray) -> np.ndarray:
-        groups = groups.astype(np.int64, copy=False).ravel()
-        order, counts = _order(groups, num_groups)
-        ordered = np.empty(groups.size, dtype=np.int32)
+    def grouped(self, grouping: Grouping, tables: np.ndarray) -> np.ndarray:
+        coded = np.asarray(grouping.counts) > 0
+        if not tables[coded].any(axis=1).all():
+            raise StreamError("KV stream table has no symbols for a coded group")
+        freqs = tables.astype(np.float64)
+        ordered = np.empty(grouping.size, dtype=np.int32)
         start = 0
-        for group, count in enumerate(counts.tolist()):
+        for group, count in enumerate(grouping.counts):
             if count:
-                if not tables[group].any():
-                    raise StreamError("KV stream table has no symbols for a coded group")
                 ordered[start:start + count] = self._decoder.decode(
-                    _categorical(tables[group]), count)
+                    _categorical(freqs[group]), count)
                 start += count
-        symbols = np.empty_like(ordered)
-        symbols[order] = ordered
-        return symbols
+        return grouping.unsort(ordered)
 
     def uniform(self, sizes: np.ndarray) -> np.ndarray:
         if not sizes.size:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import zstandard
 
-from .entropy import SymbolReader, SymbolWriter
+from .entropy import Grouping, SymbolReader, SymbolWriter
 from .stream import StreamError
 
 
@@ -131,7 +131,7 @@ def encode_residual(x: torch.Tensor, pred: torch.Tensor, half: torch.Tensor,
     below = plan.top_exponent - exponent
     ok = wide & (exponent > 0) & (below >= 0) & (below < ESCAPE)
     symbols = torch.where(ok, below, torch.full_like(below, ESCAPE))[wide].numpy()
-    table = writer.grouped(symbols, np.zeros(symbols.size, dtype=np.int64), 1, EXP_SYMBOLS)
+    table = writer.grouped(symbols, Grouping.single(symbols.size), EXP_SYMBOLS)
     signs = (u[ok] >> (fmt.bits - 1)).numpy()
     writer.uniform(signs, np.full(signs.size, 2))
     mantissas = (u[ok] & ((1 << fmt.mantissa) - 1)).numpy()
@@ -155,7 +155,7 @@ def decode_residual(data: memoryview, pred: torch.Tensor, half: torch.Tensor,
     o[narrow] = plan.low[narrow] + n_off
     u = unordered(o, fmt)
     wide = ~narrow
-    symbols = torch.from_numpy(reader.grouped(np.zeros(int(wide.sum()), dtype=np.int64), 1,
+    symbols = torch.from_numpy(reader.grouped(Grouping.single(int(wide.sum())),
                                               table).astype(np.int64))
     w_ok = symbols < ESCAPE
     ok = torch.zeros(n, dtype=torch.bool)
