@@ -17,7 +17,7 @@ def test_samples_are_attributed_to_forwards_host_work_or_the_scheduler():
         f"Thread 1 (active);{LOOP};{WORKER};{MODEL} 50",
         f"Thread 1 (active);{LOOP};{WORKER};{CHECK} 15",  # between forwards
         f"Thread 1 (active);{LOOP} 5",
-        f"Thread 2 (prefetch);io_loop (/x/sglang/srt/managers/cache_controller.py:1) 99",
+        "Thread 2 (prefetch);io_loop (/x/sglang/srt/managers/cache_controller.py:1) 99",
     ])
     samples = classify(raw)
     assert samples == {"forward": 80, "round host work": 15, "scheduler": 5}
