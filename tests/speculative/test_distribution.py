@@ -83,7 +83,7 @@ def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[d
     # The json module's docstring, cut inside an example: several likely tokens per position.
     ids = stdlib_ids(tokenizer, "json", PROMPT_TOKENS)
     result = {"plain": _answers(plain_server, ids), "again": {}}
-    variants = {"one level": VERICACHE_ARGS,
+    variants = {"one level": [*VERICACHE_ARGS, "--vericache-drafter", "none"],
                 "draft model": [*VERICACHE_ARGS, "--vericache-draft-model",
                                 str(demo_models.draft), "--vericache-drafter-max-length", "2"]}
     for name, args in variants.items():
