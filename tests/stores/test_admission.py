@@ -12,16 +12,16 @@ from vericache_sglang.tiers import disk
 def test_reads_until_both_rates_are_measured_then_takes_the_faster():
     choice = ReadOrRecompute()
     choice.enabled = True
-    assert choice.pages_to_read(5, 64) == 5  # nothing measured: read, which measures
+    assert choice.pages_to_read(5) == 5  # nothing measured: read, which measures
     choice.record_read(64, 0.64)  # 10 ms per token
-    assert choice.pages_to_read(5, 64) == 5  # no prefill rate yet
+    assert choice.pages_to_read(5) == 5  # no prefill rate yet
     choice.record_prefill(2000, 2.0)  # 1 ms per token: recomputing is faster
-    assert choice.pages_to_read(5, 64) == 0
+    assert choice.pages_to_read(5) == 0
     assert choice.declined_pages == 5
-    assert choice.pages_to_read(0, 64) == 0 and choice.declined_pages == 5
+    assert choice.pages_to_read(0) == 0 and choice.declined_pages == 5
     for _ in range(20):  # reads get fast (a warm store): the running average follows
         choice.record_read(64, 0.0064)
-    assert choice.pages_to_read(3, 64) == 3
+    assert choice.pages_to_read(3) == 3
     assert choice.snapshot()["declined_pages"] == 5
 
 
@@ -29,7 +29,7 @@ def test_always_reads_every_stored_page():
     choice = ReadOrRecompute()
     choice.record_read(64, 10.0)
     choice.record_prefill(2000, 0.001)
-    assert not choice.enabled and choice.pages_to_read(7, 64) == 7
+    assert not choice.enabled and choice.pages_to_read(7) == 7
 
 
 def test_empty_or_instant_measurements_change_nothing():

@@ -61,7 +61,7 @@ class ReadOrRecompute:
         with self._lock:
             self.prefill.add(tokens, seconds)
 
-    def pages_to_read(self, hits: int, page_tokens: int) -> int:
+    def pages_to_read(self, hits: int) -> int:
         """Of `hits` consecutive stored pages, how many to read: all, or none when both rates
         are known and reading is the slower."""
         if not self.enabled or hits == 0:

@@ -129,8 +129,7 @@ class VeriCacheFileStorage(HiCacheFile):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Stored pages at the front of `keys`, or none where recomputing them is measured to
         be faster (`--vericache-store-reads auto`)."""
-        return ADMISSION.pages_to_read(super().batch_exists(keys, extra_info),
-                                       self._page_tokens)
+        return ADMISSION.pages_to_read(super().batch_exists(keys, extra_info))
 
     def _read(self, key: str, limit: int) -> bytearray | None:
         """The page file's bytes (at most `limit`), or None (a counted fault)."""

@@ -104,7 +104,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         be faster (`--vericache-store-reads auto`)."""
         hits = (super().batch_exists(keys, extra_info) if self._coder is None
                 else self._coded_hits(keys))
-        return ADMISSION.pages_to_read(hits, self.mem_pool_host.page_size)
+        return ADMISSION.pages_to_read(hits)
 
     def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
