@@ -25,6 +25,8 @@ def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):
         # The full KV stays in SGLang's device pool, beside the compressed pool.
         assert info["vericache_full_tier"] == "device"
         assert info["memory"]["full_tier"] == "device"
+        # torch_native, the CPU's backend, has no verify path: VeriCache's extension verifies
+        assert info["memory"]["verify_backend"] == "VerifyAttnBackend"
         ids = hf_reference.tokenizer("class Stack:\n    def __init__(self):")["input_ids"]
         out = engine.generate(input_ids=ids, sampling_params={
             "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})

@@ -75,6 +75,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
     # Measured in the scheduler from the pools' storages: the full KV pool (host memory) holds
     # what SGLang reports, and 4-bit pages take under a fifth of float32 KV per token.
     assert memory["full_tier"] == "host"
+    assert memory["verify_backend"] == "StagedFullKVAttnBackend"  # the host tier's staging
     assert memory["full_kv_pool_tokens"] == server_info["max_total_num_tokens"]
     assert memory["full_kv_pool_bytes"] <= int(HOST_BUDGET) * 1.001
     assert memory["compressed_page_tokens"] == 32

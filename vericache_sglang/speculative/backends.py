@@ -4,10 +4,17 @@ the target's KV pools exist, and the device memory they hold.
 Drafting reads the compressed tier (a page pool for prefix-stable compressors, else
 request-owned blocks); verification and every other forward over the full KV read SGLang's
 pool, or, with the full KV in host memory, the staging area the staged backend fills.
+
+Verification runs through the server's own attention backend where that backend verifies a
+chain of any width in place (SGLang's Triton and FlashInfer backends, the ones its EAGLE and
+NGRAM workers verify with), else through `VerifyAttnBackend`, torch_native's extension (the CPU
+backends have no TARGET_VERIFY path; FA3 sizes its verify by the server's fixed
+`speculative_num_draft_tokens`, which a round's draft length is not).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vericache_sglang.attention.draft import DraftAttnBackend
@@ -19,6 +26,19 @@ from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
 from vericache_sglang.tiers.staging import StagingArea
+
+logger = logging.getLogger(__name__)
+
+NATIVE_VERIFY_BACKENDS = ("triton", "flashinfer")
+"""SGLang decode attention backends whose TARGET_VERIFY forward reads a chain of
+`spec_info.draft_token_num` tokens per request, causally, from the KV pool by index."""
+
+
+def verifies_natively(decode_backend: str | None, placement: str) -> bool:
+    """Whether verification runs through the server's attention backend: it must verify a
+    chain natively, and the full KV must be in SGLang's device pool (with the host tier it is
+    in staging slots only the staged backend maps)."""
+    return placement == "device" and decode_backend in NATIVE_VERIFY_BACKENDS
 
 
 class RoundBackends:
@@ -52,9 +72,12 @@ class RoundBackends:
         if self.staging is not None:
             observer = self.draft.observe_prompt if compressor.needs_scores else None
             self.full = StagedFullKVAttnBackend(runner, self.staging, observer)
-            self.verify: VerifyAttnBackend = self.full
+            self.verify = self.full
+        elif verifies_natively(getattr(runner, "decode_attention_backend_str", None), placement):
+            self.verify = runner.attn_backend
         else:
             self.verify = VerifyAttnBackend(runner)
+        logger.info("VeriCache verification: %s", type(self.verify).__name__)
 
     def reset_tier(self) -> None:
         """Drop every request-owned block (a cache flush)."""
@@ -78,6 +101,7 @@ class RoundBackends:
         tokens = self.runner.max_total_num_tokens
         report: dict[str, Any] = {
             "full_tier": self.placement,
+            "verify_backend": type(self.verify).__name__,
             "full_kv_pool_bytes": full_bytes,
             "full_kv_pool_tokens": tokens,
             "full_kv_bytes_per_token": full_bytes / (tokens + 1),  # SGLang pads one slot

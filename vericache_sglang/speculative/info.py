@@ -2,7 +2,9 @@
 
 `VeriCacheDraftInput` is the state carried from one round to the next (each request's last
 emitted token, whose KV is not written yet); `VeriCacheVerifyInput` describes one TARGET_VERIFY
-forward (a chain of `draft_token_num` tokens per request).
+forward (a chain of `draft_token_num` tokens per request). A chain needs no mask: each token
+sees the committed prefix and the chain before it, which is what SGLang's attention backends
+compute for a verify without `custom_mask` (Triton's extend kernel, FlashInfer's causal plan).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind, KVLocPlan
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
@@ -63,3 +67,23 @@ class VeriCacheVerifyInput(SpecInput):
     @property
     def tree_topk(self) -> int:
         return 1
+
+    def generate_attn_arg_prefill(
+        self, *, req_pool_indices: torch.Tensor, paged_kernel_lens: torch.Tensor,
+        paged_kernel_lens_sum: int, translator: KVIndexTranslator, plan: KVLocPlan,
+        kind: IdSpaceKind = IdSpaceKind.FULL,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """FlashInfer's verify plan: each request's committed rows and its chain's, read in
+        place by index (`kv_indices`, CSR by `kv_indptr`), `draft_token_num` queries each, no
+        mask (FlashInfer's causal plan aligns the chain to the end of its rows)."""
+        width, batch = self.draft_token_num, req_pool_indices.numel()
+        device = req_pool_indices.device
+        kv_lens = paged_kernel_lens + width
+        kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        kv_indptr[1:] = torch.cumsum(kv_lens, dim=0)
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * width
+        kv_indices = torch.empty(paged_kernel_lens_sum + width * batch, dtype=torch.int32,
+                                 device=device)
+        translator.pack_read_stream(plan, req_pool_indices=req_pool_indices, seq_lens=kv_lens,
+                                    indptr=kv_indptr, out=kv_indices, kind=kind)
+        return kv_indices, kv_indptr, qo_indptr, None
