@@ -38,6 +38,22 @@ def test_window_reserve_follows_the_device_budget():
     assert large.window_requests >= 8 * small.window_requests
 
 
+def test_windows_take_what_a_smaller_host_pool_leaves():
+    """A host pool of fewer tokens than the compressed pool could cover leaves device budget
+    unspent: without --max-running-requests it reserves windows for more requests, within the
+    budget; a given --max-running-requests is kept."""
+    budget = 32768 * DEMO.full_per_token
+    shared = plan_device_budget(_config(), DEMO, 32768, None)
+    capped = plan_device_budget(_config(vericache_full_tier_budget=budget), DEMO, 32768, None)
+    assert capped.full_kv_tokens == 32768 < shared.full_kv_tokens
+    assert capped.window_requests > shared.window_requests
+    window = capped.window_bytes // capped.window_requests
+    spent = capped.compressed_pool_bytes + capped.staging_bytes + capped.window_bytes
+    assert spent <= capped.device_budget_bytes < spent + window
+    given = plan_device_budget(_config(vericache_full_tier_budget=budget), DEMO, 32768, 16)
+    assert given.window_requests == 16
+
+
 def test_host_budget_caps_the_tokens():
     budget = 20000 * DEMO.full_per_token
     plan = plan_device_budget(_config(vericache_full_tier_budget=budget), DEMO, 32768, 16)
