@@ -172,21 +172,26 @@ def test_append_sequences(data, spec: str, chunks: list[int]) -> None:
 
 @PROPS
 @given(kv(max_tokens=70, dtypes=(torch.float32,)),
-       st.one_of(KIVI, DROPPER, st.just("snapkv:ratio=0.5+kivi:bits=2,group=4,residual=3")))
-def test_attend_matches_dense_attention(data, spec: str) -> None:
+       st.one_of(KIVI, DROPPER, st.just("snapkv:ratio=0.5+kivi:bits=2,group=4,residual=3")),
+       st.integers(0, 2**31))
+def test_attend_matches_dense_attention(data, spec: str, seed: int) -> None:
     """The packed read equals attention over dense(); float32 only, since dense() rounds the
-    dequantized values to the input dtype while the kernel keeps them in float32."""
+    dequantized values to the input dtype while the kernel keeps them in float32. An output
+    is a weighted mean of values, so the summation error scales with their magnitude: about
+    1e-5 of the largest value at most over 1,600 seeded cases of 30x-scaled K/V (a fixed
+    1e-4 once failed on them)."""
     keys, values, scores = data
     c = parse_compressor_spec(spec)
     block = c.compress(keys, values, torch.arange(len(keys)), scores)
-    q = torch.randn(scores.shape[0], keys.shape[2])
+    q = torch.randn(scores.shape[0], keys.shape[2], generator=torch.Generator().manual_seed(seed))
     out = block.attend(q)
     assert out.shape == q.shape and out.dtype == torch.float32
     if len(block) == 0:
         assert torch.equal(out, torch.zeros_like(out))
     else:
         dense = attention(q, *block.dense(), keys.shape[2] ** -0.5)
-        assert torch.allclose(out, dense, atol=1e-4, rtol=1e-3)
+        magnitude = float(values.abs().max())
+        assert torch.allclose(out, dense, atol=1e-4 * max(magnitude, 1e-3), rtol=1e-3)
 
 
 ALL_SPECS = ["kivi:bits=2", "kivi_mixed", "streaming", "snapkv", "h2o", "h2o+kivi:bits=4"]
