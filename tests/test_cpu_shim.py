@@ -10,17 +10,15 @@ in a subprocess with it set, and only there do the interpreter tests run.
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.interpreter import interpreter_only, rerun_under_interpreter
 from vericache_sglang.cpu import sgl_kernel_shim as shim
 
 
@@ -196,27 +194,9 @@ def test_speculative_module_is_served_and_names_missing_ops() -> None:
     assert lines[1] == "sgl_kernel.speculative"
     assert lines[2].startswith("sgl_kernel.speculative.build_tree_kernel_efficient has no CPU")
 
-
 # NGRAM speculative decoding's ops, against SGLang's Triton kernels under the interpreter.
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
-
-
 def test_speculative_ops_equal_sglang_triton_kernels_under_the_interpreter() -> None:
-    """Run this file with TRITON_INTERPRET=1 in a fresh process and require every test to pass."""
-    if INTERPRETING:
-        pytest.skip("this process is the interpreter run")
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=600,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    # every test ran except this one: nothing was skipped for want of the interpreter
-    assert re.search(r"\b\d+ passed, 1 skipped\b", output), output
+    rerun_under_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,12 @@ run and check that the kernels really are interpreter functions.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from tests.interpreter import interpreter_only, rerun_under_interpreter  # noqa: E402
 from vericache_kernels.attention_ref import (  # noqa: E402
     decode_attention_ref,
     merge_attention,
@@ -33,24 +28,9 @@ from .test_paged_attention import (  # noqa: E402
     ragged_inputs,
 )
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
-
 
 def test_kernels_under_the_interpreter() -> None:
-    """Run this file with TRITON_INTERPRET=1 in a fresh process and require every test to pass."""
-    if INTERPRETING:
-        pytest.skip("this process is the interpreter run")
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=600,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    # every test ran except this one: nothing was skipped for want of the interpreter
-    assert re.search(r"\b\d+ passed, 1 skipped\b", output), output
+    rerun_under_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")

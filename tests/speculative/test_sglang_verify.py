@@ -13,22 +13,16 @@ file in a subprocess with it set, and only there do the pool tests run.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.interpreter import INTERPRETING, interpreter_only, rerun_under_interpreter
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.speculative.backends import verifies_natively
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETING, reason="run by the interpreter subprocess")
 POOL = 1024
 TRITON_SERVER_ARGS = ["--dtype", "float32", "--random-seed", "0", "--max-running-requests", "4",
                       "--disable-overlap-schedule", "--attention-backend", "triton",
@@ -49,21 +43,8 @@ def test_which_verifications_run_through_the_server_backend(backend, placement, 
 
 
 def test_sglang_verify_under_the_interpreter() -> None:
-    """Run this file with TRITON_INTERPRET=1 in a fresh process and require every test to pass."""
-    if INTERPRETING:
-        pytest.skip("this process is the interpreter run")
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=900,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    # every pool test ran: only this one and the server test (its servers interpret their
-    # kernels themselves) were skipped
-    assert re.search(r"\b\d+ passed, 2 skipped\b", output), output
+    # skipped there: this test and the server test (its servers interpret their kernels)
+    rerun_under_interpreter(__file__, skipped=2, timeout=900)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the servers interpret their kernels themselves")
