@@ -17,7 +17,9 @@ storage: `--enable-hierarchical-cache --hicache-storage-backend file` and SGLang
 config naming A's directory, every other HiCache and VeriCache memory setting at its default
 (one host pool: VeriCache's host tier holds the full KV, SGLang's host memory only stages
 pages). B answers the reused request with its prefix loaded from A's files, as plain SGLang
-answers it. (A 3,200-token stored prefix is tests/stores/test_mooncake_vericache.py's.)
+answers it, and its compressed pool takes the reloaded prefix's pages from the streams' pool
+level instead of quantizing them again (`stores/reloaded.py`). (A 3,200-token stored prefix
+is tests/stores/test_mooncake_vericache.py's.)
 
 Plain SGLang answers first and is stopped before the VeriCache servers start, so one server
 of this module is up at a time.
@@ -128,9 +130,9 @@ def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_d
         "--hicache-storage-prefetch-policy", "wait_complete",
     ]) as server:
         out = server.generate(paged_requests["reuse"])
-        out["store_io"] = server.server_info()["internal_states"][0]["vericache_state"][
-            "store_io"]
-        return out
+        state = server.server_info()["internal_states"][0]["vericache_state"]
+        return {**out, "store_io": state["store_io"], "reloaded": state["reloaded_pages"],
+                "quantized": state["compressed_pages_quantized"]}
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +203,19 @@ def test_a_prefix_stored_in_coded_pages_is_reloaded_by_the_next_server(
     io = out["store_io"]
     assert io["read_coded_pages"] >= STORED_TOKENS // PAGE_SIZE
     assert io.get("read_raw_pages", 0) == 0
+
+
+def test_a_reloaded_prefix_takes_its_compressed_pages_from_the_stored_streams(
+        reloaded_answer):
+    """B installed the pool level of every stored page it read as the compressed pool's pages
+    (two key groups per 64-token page), and quantized none: drafting reads groups older than
+    KIVI's 128-token recent window, and those of this request all lie in the stored prefix."""
+    reloaded, groups = reloaded_answer["reloaded"], STORED_TOKENS // 32
+    print(f"\n[reloaded pages] {reloaded}, quantized {reloaded_answer['quantized']}")
+    assert reloaded["offered_pages"] >= STORED_TOKENS // PAGE_SIZE
+    assert reloaded["installed_pages"] == groups
+    assert (REUSED + SUFFIX + NEW_TOKENS - 128) // 32 <= groups
+    assert reloaded_answer["quantized"] == 0
 
 
 def test_a_stored_prefix_slower_to_read_than_to_prefill_is_recomputed(recomputed_answer,

@@ -200,7 +200,7 @@ def test_a_full_disk_refuses_pages_and_keeps_the_ones_it_has(full_disk):
 def _host_pool(layout: str, dtype: torch.dtype, page_size: int = 64) -> SimpleNamespace:
     """What the store reads of SGLang's MHA host pool: the demo model's geometry."""
     return SimpleNamespace(layout=layout, page_size=page_size, layer_num=30, head_num=3,
-                           head_dim=64, dtype=dtype)
+                           head_dim=64, dtype=dtype, size=16 * page_size)
 
 
 def _flat_page(keys: torch.Tensor, values: torch.Tensor, layout: str) -> torch.Tensor:

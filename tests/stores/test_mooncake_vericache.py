@@ -51,9 +51,13 @@ VERICACHE_ARGS = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4",
 
 
 def _server(model: Path, store: MooncakeService, vericache: bool,
-            env: dict[str, str] | None = None) -> ServerProcess:
-    return ServerProcess(model, [*STORE_ARGS, *store.server_args(),
-                                 *(VERICACHE_ARGS if vericache else [])],
+            env: dict[str, str] | None = None, full_tier: str = "device") -> ServerProcess:
+    """A server on the store. VeriCache's full KV is in SGLang's device pool by default, so
+    SGLang's own host pool holds fetched pages and its `load_back` brings them to the device
+    (`auto` puts it in the host tier: SGLang's buffer-only pipeline, which
+    tests/speculative/test_page_size.py's server B reloads through)."""
+    vericache_args = [*VERICACHE_ARGS, "--vericache-full-tier", full_tier] if vericache else []
+    return ServerProcess(model, [*STORE_ARGS, *store.server_args(), *vericache_args],
                          max_total_tokens=DEVICE_TOKENS, env={**store.env(), **(env or {})})
 
 
@@ -144,7 +148,10 @@ def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
     assert details["device"] == 0 and details["host"] == 0
     assert details["storage"] == PROMPT_TOKENS, details
     assert details["storage_backend"] == "VeriCacheMooncakeStore"
-    assert _state(server_b)["store_io"]["read_coded_pages"] >= PAGES
+    state = _state(server_b)
+    assert state["store_io"]["read_coded_pages"] >= PAGES
+    # Every page's compressed form came from its stream: two key groups per page, installed.
+    assert state["reloaded_pages"]["installed_pages"] >= 2 * PAGES, state["reloaded_pages"]
     print(f"\n[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in "
           f"{reference['question_s']:.1f} s")
     assert reloaded["output_ids"] == reference["question"]["output_ids"]
@@ -185,7 +192,7 @@ def test_a_store_down_at_startup_is_reached_once_it_is_back(store, reference, pr
     if store.alive():
         store.kill()
     env = {RETRY_ENV: "2", "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3"}
-    with _server(demo_model, store, vericache=True, env=env) as c:
+    with _server(demo_model, store, vericache=True, env=env, full_tier="auto") as c:
         down = c.generate(_request(prompts["short"]))
         assert down["output_ids"] == reference["short"]["output_ids"]
         assert _storage_hit(down) == 0

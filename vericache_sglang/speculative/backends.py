@@ -22,6 +22,7 @@ from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
 from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import Compressor
 from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
@@ -65,6 +66,7 @@ class RoundBackends:
             self.pool.follow(runner.token_to_kv_pool_allocator)
             if self.staging is not None:
                 self.pool.on_read = self.staging.record_direct
+        RELOADED.accept(self.pool)  # a reloaded prefix's pages, decoded by the store
         self.draft = DraftAttnBackend(runner, self.tier, self.pool, self.staging)
         # With the full KV in host memory: the backend of every forward over the full KV
         # (prefill, verification, plain decode).

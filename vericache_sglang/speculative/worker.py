@@ -73,6 +73,7 @@ from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_inf
 from vericache_sglang.speculative.verification import judge, verify, write_logprobs
 from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.pages import STORE_STATS
+from vericache_sglang.stores.reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ class VeriCacheWorker(BaseSpecWorker):
             "disk_faults": store["faults"],
             "store_io": store["io"],
             "store_reads": ADMISSION.snapshot(),
+            "reloaded_pages": RELOADED.snapshot(),
+            "compressed_pages_quantized": backends.compressed_pages,
         }
 
     @property

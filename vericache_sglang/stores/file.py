@@ -41,6 +41,7 @@ from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
 from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
+from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class VeriCacheFileStorage(HiCacheFile):
         page_size = getattr(mem_pool_host, "page_size", 1)
         self._page_tokens = page_size
         ADMISSION.enabled = store_reads_auto()
+        RELOADED.bound_by(mem_pool_host)
         if self._coder is not None:
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
                         "(levels %s bits, then the exact KV)", page_size,
@@ -157,7 +159,7 @@ class VeriCacheFileStorage(HiCacheFile):
                 return None
             try:
                 self._coder.decode(memoryview(record), self._get_suffixed_key(key),
-                                   target_location)
+                                   target_location, page_key=key)
             except StreamError as e:
                 self._fault(fault_kind(e), key, str(e))
                 return None

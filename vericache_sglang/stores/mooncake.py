@@ -38,6 +38,7 @@ from vericache_sglang.codec import StreamError
 from .admission import ADMISSION
 from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 from .reconnect import build_or_reconnect
+from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         ADMISSION.enabled = store_reads_auto()
+        RELOADED.bound_by(mem_pool_host)
         if self.is_mla_backend or self.should_split_heads:
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
@@ -157,7 +159,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 break
             target = self.mem_pool_host.get_dummy_flat_data_page()
             try:
-                self._coder.decode(memoryview(blob), name, target)
+                self._coder.decode(memoryview(blob), name, target, page_key=keys[i])
             except StreamError as e:
                 STORE_STATS.record(fault_kind(e), name, str(e))
                 self.store.remove(name)  # written again by a later backup

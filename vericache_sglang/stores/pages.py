@@ -21,6 +21,8 @@ from vericache_sglang.compress.quant import KiviQuantizer
 from vericache_sglang.compress.registry import parse_compressor_spec
 from vericache_sglang.config import served_config
 
+from .reloaded import RELOADED
+
 logger = logging.getLogger(__name__)
 
 FAULT_KINDS = ("missing", "short", "corrupt", "read_error", "write_error", "unavailable")
@@ -68,8 +70,10 @@ STORE_STATS = StoreStats()
 class PageCoder:
     """The coded form of a host pool's pages: flat page (host layout) <-> codec stream."""
 
-    def __init__(self, host_pool: Any, spec: CodecSpec) -> None:
+    def __init__(self, host_pool: Any, spec: CodecSpec, *, pool_level: bool) -> None:
         self.spec = spec
+        self.pool_level = pool_level
+        """Whether the stream's last lossy level is the compressed pool's pages."""
         self.dtype = host_pool.dtype
         self.page_first = host_pool.layout == "page_first"
         rows = (host_pool.page_size, host_pool.layer_num)
@@ -87,12 +91,12 @@ class PageCoder:
                 or str(host_pool.dtype).removeprefix("torch.") not in FORMATS):
             return None
         compressor = parse_compressor_spec(compressor_spec)
-        if not (isinstance(compressor, KiviQuantizer) and compressor.prefix_stable):
-            compressor = Kivi(bits=4)
-        spec = CodecSpec.for_compressor(compressor, host_pool.layer_num)
+        pool_level = isinstance(compressor, KiviQuantizer) and compressor.prefix_stable
+        spec = CodecSpec.for_compressor(compressor if pool_level else Kivi(bits=4),
+                                        host_pool.layer_num)
         if host_pool.page_size % spec.group:
             return None
-        return cls(host_pool, spec)
+        return cls(host_pool, spec, pool_level=pool_level)
 
     def _kv(self, flat: torch.Tensor) -> torch.Tensor:
         """[2, L, page, H, D] view of a flat page."""
@@ -103,8 +107,11 @@ class PageCoder:
         kv = self._kv(flat)
         return encode_chunk(kv[0], kv[1], self.spec, key.encode())
 
-    def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor) -> None:
-        """Decode the exact KV of `blob` into the flat page `target`."""
+    def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
+               page_key: str | None = None) -> None:
+        """Decode the exact KV of `blob` into the flat page `target`; with `page_key` (the
+        page's storage hash), offer its pool-level codes for the reloaded compressed pages
+        (`reloaded.py`)."""
         chunk = decode_chunk(blob, key=key.encode())
         kv = self._kv(target)
         if chunk.keys.shape != kv.shape[1:] or chunk.keys.dtype != self.dtype:
@@ -112,6 +119,8 @@ class PageCoder:
                               f"the page is {tuple(kv.shape[1:])} {self.dtype}")
         kv[0].copy_(chunk.keys)
         kv[1].copy_(chunk.values)
+        if page_key is not None and self.pool_level:
+            RELOADED.offer(page_key, chunk.tiers)
 
 
 def fault_kind(error: StreamError) -> str:

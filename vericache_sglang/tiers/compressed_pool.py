@@ -28,7 +28,7 @@ import torch
 
 import vericache_kernels as kernels
 from vericache_sglang.compress.base import storage_bytes
-from vericache_sglang.compress.quant import KiviQuantizer
+from vericache_sglang.compress.quant import KiviQuantizer, QuantTier
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ class CompressedPagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self.compressed_pages = 0
         """Pages quantized since start: a shared prefix counts once."""
+        self.installed_pages = 0
+        """Pages taken from a store's decoded codes instead (`install`)."""
         self._warned_full = False
         self.on_read: Callable[[int, float], None] | None = None
         """Told (bytes, seconds) of each read of the full pool (when it is off the device)."""
@@ -123,6 +125,37 @@ class CompressedPagePool:
                 self._key_of[page] = keys[i]
             self._compress(torch.tensor(new, device=groups.device), groups[missing])
         return pages
+
+    def install(self, slots: torch.Tensor, tiers: list[QuantTier]) -> int:
+        """Take the pages of tokens at full-pool `slots` (whole groups, in token order) from
+        `tiers`, their codes per layer as a store decoded them (the CacheGen stream's pool
+        level, `stores/reloaded.py`), instead of quantizing the full KV loaded into those
+        slots: the same bits, without reading the full KV. Groups a page already holds, and
+        groups past a full pool, are left out. Returns the pages installed."""
+        if (len(tiers) != len(self.bits) or slots.numel() % self.group
+                or any(t.bits != b or len(t) != slots.numel() for t, b in zip(
+                    tiers, self.bits, strict=True))):
+            raise ValueError("codes of another geometry than this pool's pages")
+        groups = slots.reshape(-1, self.group)
+        keys = [row.numpy().tobytes() for row in groups.cpu()]
+        wanted = [i for i, key in enumerate(keys) if key not in self._page_of]
+        if len(wanted) > len(self._free):
+            self._warn_full(len(wanted))
+            wanted = wanted[: len(self._free)]
+        if not wanted:
+            return 0
+        new = [self._free.pop() for _ in wanted]
+        for i, page in zip(wanted, new, strict=True):
+            self._page_of[keys[i]] = page
+            self._key_of[page] = keys[i]
+        rows = torch.tensor(wanted)
+        tokens = (rows[:, None] * self.group + torch.arange(self.group)).flatten()
+        self._write(torch.tensor(new, device=self.page_slots.device), groups[rows],
+                    [QuantTier(t.bits, t.k_codes[rows], t.k_scale[rows], t.k_zero[rows],
+                               t.v_codes[tokens], t.v_scale[tokens], t.v_zero[tokens])
+                     for t in tiers])
+        self.installed_pages += len(new)
+        return len(new)
 
     def layer(self, layer_id: int, page_table: torch.Tensor,
               lengths: torch.Tensor) -> kernels.PagedKV:
@@ -210,23 +243,31 @@ class CompressedPagePool:
     def _compress(self, pages: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantize the K/V at `groups` [n, group] of the full pool into `pages` [n]."""
         rows = groups.flatten()
-        n = len(pages)
+        tiers = []
         for layer, bits in enumerate(self.bits):
             began = time.perf_counter()
             keys = self.full_pool.get_key_buffer(layer)[rows]
             values = self.full_pool.get_value_buffer(layer)[rows]
             if self.on_read is not None:
                 self.on_read(storage_bytes([keys, values]), time.perf_counter() - began)
-            k_codes, k_scale, k_zero = kernels.quantize_keys(keys, self.group, bits)
-            v_codes, v_scale, v_zero = kernels.quantize_values(values, self.v_group, bits)
-            self.k_codes[layer][pages] = k_codes
-            self.k_scale[layer][pages] = k_scale
-            self.k_zero[layer][pages] = k_zero
-            self.v_codes[layer][pages] = v_codes.reshape(n, self.group, *v_codes.shape[1:])
-            self.v_scale[layer][pages] = v_scale.reshape(n, self.group, *v_scale.shape[1:])
-            self.v_zero[layer][pages] = v_zero.reshape(n, self.group, *v_zero.shape[1:])
+            tiers.append(QuantTier(bits, *kernels.quantize_keys(keys, self.group, bits),
+                                   *kernels.quantize_values(values, self.v_group, bits)))
+        self._write(pages, groups, tiers)
+        self.compressed_pages += len(pages)
+
+    def _write(self, pages: torch.Tensor, groups: torch.Tensor, tiers: list[QuantTier]) -> None:
+        """Store per-layer `tiers` of `groups` [n, group] (n key groups, in order) as
+        `pages` [n]."""
+        n = len(pages)
+        for layer, tier in enumerate(tiers):
+            self.k_codes[layer][pages] = tier.k_codes.to(self.k_codes[layer].device)
+            self.k_scale[layer][pages] = tier.k_scale.to(self.k_scale[layer].device)
+            self.k_zero[layer][pages] = tier.k_zero.to(self.k_zero[layer].device)
+            for pool, part in ((self.v_codes, tier.v_codes), (self.v_scale, tier.v_scale),
+                               (self.v_zero, tier.v_zero)):
+                pool[layer][pages] = part.reshape(n, self.group, *part.shape[1:]).to(
+                    pool[layer].device)
         self.page_slots[pages] = groups.to(self.page_slots.device)
-        self.compressed_pages += n
 
     def _warn_full(self, wanted: int) -> None:
         if not self._warned_full:

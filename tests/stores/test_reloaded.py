@@ -1,0 +1,141 @@
+"""A reloaded prefix's compressed pages come from the stored stream (`stores/reloaded.py`).
+
+On real demo-model KV: a page the store reads offers its stream's pool level; installed at the
+slots SGLang loads the page into, it is bit for bit the pages the compressed pool would have
+quantized from that KV, and the pool quantizes nothing of it, though the full KV at those slots
+is zeros here (so the pages cannot have come from it). The server path (SGLang's load-back
+hook) is tests/speculative/test_page_size.py's server B.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from tests.stores.test_file_store import _flat_page, _host_pool, _storage
+from vericache_sglang.compress import parse_compressor_spec
+from vericache_sglang.compress.quant import QuantTier
+from vericache_sglang.stores.reloaded import RELOADED
+from vericache_sglang.tiers.compressed_pool import CompressedPagePool
+
+PAGE = 64
+TOKENS = (64, 192)
+"""Two pages of real KV, tokens 64-191 of the prompt."""
+
+
+def _pool(keys: torch.Tensor | None, values: torch.Tensor | None,
+          compressor: str = "kivi:bits=4") -> tuple[CompressedPagePool, torch.Tensor]:
+    """A compressed pool beside an SGLang KV pool whose slots 1..n hold `keys`/`values`
+    ([L, n, H, D]; zeros where None), and those slots."""
+    kv = MHATokenToKVPool(size=TOKENS[1] - TOKENS[0] + 8, page_size=1, dtype=torch.float32,
+                          head_num=3, head_dim=64, layer_num=30, device="cpu",
+                          enable_memory_saver=False)
+    slots = torch.arange(1, TOKENS[1] - TOKENS[0] + 1)
+    if keys is not None:
+        for layer in range(30):
+            kv.k_buffer[layer][slots] = keys[layer]
+            kv.v_buffer[layer][slots] = values[layer]
+    return CompressedPagePool(parse_compressor_spec(compressor), kv, num_pages=8), slots
+
+
+@pytest.fixture
+def stored(tmp_path: Path, model_kv):
+    """A store of 64-token pages holding two pages of real float32 KV, and that KV."""
+    storage = _storage(tmp_path / "pages")
+    storage.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    keys, values = (t[:, TOKENS[0]:TOKENS[1]].float() for t in model_kv)
+    for page in range(2):
+        rows = slice(page * PAGE, (page + 1) * PAGE)
+        assert storage.set(f"{page:064x}", _flat_page(keys[:, rows], values[:, rows],
+                                                      "layer_first"))
+    yield storage, keys, values
+    RELOADED.accept(None)
+
+
+def _read(storage) -> list[str]:
+    keys = [f"{page:064x}" for page in range(2)]
+    target = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    for key in keys:
+        assert storage.get(key, target) is target
+    return keys
+
+
+def test_reloaded_pages_are_the_pools_own_pages_without_quantizing(stored):
+    storage, keys, values = stored
+    reference, slots = _pool(keys, values)
+    want = reference.pages(slots)
+    assert reference.compressed_pages == 4
+
+    pool, slots = _pool(None, None)  # the full KV is zeros: nothing to quantize from
+    RELOADED.accept(pool)
+    before = RELOADED.snapshot()
+    page_keys = _read(storage)
+    assert len(RELOADED) == 2
+    RELOADED.install(page_keys, slots, PAGE)
+    got = pool.pages(slots)
+    assert pool.compressed_pages == 0 and pool.installed_pages == 4
+    assert RELOADED.snapshot()["installed_pages"] - before["installed_pages"] == 4
+    assert len(RELOADED) == 0
+    for layer in range(30):
+        for mine, theirs in zip(
+                (pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes, pool.v_scale,
+                 pool.v_zero),
+                (reference.k_codes, reference.k_scale, reference.k_zero, reference.v_codes,
+                 reference.v_scale, reference.v_zero), strict=True):
+            assert torch.equal(mine[layer][got], theirs[layer][want])
+    # A page the pool already holds is not installed twice.
+    assert pool.install(slots[:PAGE], reference_tiers(reference, want[:2])) == 0
+
+
+def reference_tiers(pool: CompressedPagePool, pages: torch.Tensor):
+    """`pages` of `pool` as per-layer tiers (token-major value rows), as a store decodes them."""
+    return [QuantTier(pool.bits[layer], pool.k_codes[layer][pages], pool.k_scale[layer][pages],
+                      pool.k_zero[layer][pages], pool.v_codes[layer][pages].flatten(0, 1),
+                      pool.v_scale[layer][pages].flatten(0, 1),
+                      pool.v_zero[layer][pages].flatten(0, 1))
+            for layer in range(30)]
+
+
+def test_codes_of_another_geometry_are_refused(stored):
+    storage, keys, values = stored
+    reference, slots = _pool(keys, values)
+    tiers = reference_tiers(reference, reference.pages(slots)[:2])
+    two_bit, _ = _pool(None, None, "kivi:bits=2")
+    with pytest.raises(ValueError, match="geometry"):
+        two_bit.install(slots[:PAGE], tiers)
+    with pytest.raises(ValueError, match="geometry"):
+        two_bit.install(slots[:PAGE + 32], tiers)
+
+
+def test_waiting_codes_are_bounded_oldest_first(stored):
+    storage, keys, values = stored
+    pool, _ = _pool(None, None)
+    RELOADED.accept(pool)
+    capacity, RELOADED.capacity = RELOADED.capacity, 1
+    try:
+        dropped = RELOADED.dropped
+        page_keys = _read(storage)
+        assert len(RELOADED) == 1 and RELOADED.dropped == dropped + 1
+        assert RELOADED.take(page_keys[0]) is None and RELOADED.take(page_keys[1]) is not None
+    finally:
+        RELOADED.capacity = capacity
+
+
+def test_nothing_waits_without_a_pool_or_for_a_token_dropper(stored, tmp_path):
+    storage, _, _ = stored
+    RELOADED.accept(None)
+    _read(storage)
+    assert len(RELOADED) == 0
+    # A token dropper's stream carries 4-bit KIVI bins as the exact part's predictor only.
+    pool, _ = _pool(None, None)
+    RELOADED.accept(pool)
+    dropper = _storage(tmp_path / "snapkv")
+    dropper.compressor = "snapkv:ratio=0.25"
+    dropper.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    page = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    assert dropper.set("e" * 64, page)
+    assert dropper.get("e" * 64, torch.empty_like(page)) is not None
+    assert len(RELOADED) == 0
