@@ -29,7 +29,7 @@ TRITON_SERVER_ARGS = ["--dtype", "float32", "--random-seed", "0", "--max-running
                       "--triton-attention-num-kv-splits", "1", "--skip-server-warmup"]
 """Plain SGLang on its Triton backend, on CPU with the kernels interpreted: slow (seconds per
 decode step), so one KV split per request, no warm-up request, short prompts and outputs."""
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 @pytest.mark.parametrize(("backend", "placement", "native"), [
@@ -75,7 +75,9 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
     for plain, vericache in zip(outputs["plain"], outputs["vericache"], strict=True):
         assert len(plain["output_ids"]) == NEW_TOKENS
         assert vericache["output_ids"] == plain["output_ids"]
-        assert 0 < vericache["meta_info"]["spec_verify_ct"] < NEW_TOKENS
+        rounds = vericache["meta_info"]["spec_verify_ct"]
+        print(f"\n[triton verify] {rounds} verifications for {NEW_TOKENS} tokens")
+        assert 0 < rounds < NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
