@@ -111,15 +111,24 @@ class VeriCacheMetrics:
             "vericache:store_reads_declined", "Stored pages not read because recomputing them "
             "was measured to be faster (--vericache-store-reads auto).",
             labelnames=list(labels.keys()))
+        self.reloaded_pages_installed = Counter(
+            "vericache:reloaded_pages_installed", "Compressed pool pages of reloaded prefixes "
+            "taken from their stored streams' pool level instead of quantized from the full KV.",
+            labelnames=list(labels.keys()))
         self._store_seen: dict[str, float] = {}
 
-    def record_store(self, snapshot: dict, declined_pages: int = 0) -> None:
+    def record_store(self, snapshot: dict, declined_pages: int = 0,
+                     installed_pages: int = 0) -> None:
         """Bring the store counters up to the storage backend's running counts
-        (`stores.pages.StoreStats.snapshot`, `stores.admission.ADMISSION`'s declined pages)."""
-        step = declined_pages - self._store_seen.get("declined", 0)
-        if step > 0:
-            self._store_seen["declined"] = declined_pages
-            self.store_reads_declined.labels(**self._labels).inc(step)
+        (`stores.pages.StoreStats.snapshot`, `stores.admission.ADMISSION`'s declined pages,
+        `stores.reloaded.RELOADED`'s installed pages)."""
+        for name, total, counter in (
+                ("declined", declined_pages, self.store_reads_declined),
+                ("installed", installed_pages, self.reloaded_pages_installed)):
+            step = total - self._store_seen.get(name, 0)
+            if step > 0:
+                self._store_seen[name] = total
+                counter.labels(**self._labels).inc(step)
         running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
         running.update(snapshot["io"])
         for name, total in running.items():

@@ -132,7 +132,8 @@ def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_d
         out = server.generate(paged_requests["reuse"])
         state = server.server_info()["internal_states"][0]["vericache_state"]
         return {**out, "store_io": state["store_io"], "reloaded": state["reloaded_pages"],
-                "quantized": state["compressed_pages_quantized"]}
+                "quantized": state["compressed_pages_quantized"],
+                "metrics": vericache_metrics(server)}
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +215,7 @@ def test_a_reloaded_prefix_takes_its_compressed_pages_from_the_stored_streams(
     print(f"\n[reloaded pages] {reloaded}, quantized {reloaded_answer['quantized']}")
     assert reloaded["offered_pages"] >= STORED_TOKENS // PAGE_SIZE
     assert reloaded["installed_pages"] == groups
+    assert reloaded_answer["metrics"]["vericache:reloaded_pages_installed_total"] == groups
     assert (REUSED + SUFFIX + NEW_TOKENS - 128) // 32 <= groups
     assert reloaded_answer["quantized"] == 0
 
