@@ -11,8 +11,8 @@ for every free path of the paged allocator). Here: real prompts in one batch, on
 
 Storage: the VeriCache server (A) keeps its full KV on the disk tier (`--vericache-full-tier
 disk`, SGLang's hierarchical cache over its `file` backend), which stores every page as one
-CacheGen stream (`stores/file.py`). A stops once the 31 whole pages of the reused request's
-argparse prefix (1,984 tokens) are files. Server B is started afterwards the way a user adds
+CacheGen stream (`stores/file.py`). A stops once the 48 whole pages of the reused request's
+argparse prefix (3,072 tokens) are files. Server B is started afterwards the way a user adds
 storage: `--enable-hierarchical-cache --hicache-storage-backend file` and SGLang's own extra
 config naming A's directory, every other HiCache and VeriCache memory setting at its default
 (one host pool: VeriCache's host tier holds the full KV, SGLang's host memory only stages
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
+from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS, stdlib_ids
 from tests.speculative.identity import PROMPTS, payload, send_all, stats, vericache_metrics
 from vericache_sglang.server_process import ServerProcess
 
@@ -52,25 +52,27 @@ VERICACHE_ARGS = [
     # The storage hit is whole, not what a slow CPU loaded before a timeout.
     "--hicache-storage-prefetch-policy", "wait_complete",
 ]
-NAMES = ["argparse_2300", "heapq_400", "chat_palindrome"]
+LONG_PROMPT = "argparse_3200"
+NAMES = [LONG_PROMPT, "heapq_400", "chat_palindrome"]
 NEW_TOKENS = 40
-REUSED = 2000
-"""Tokens of argparse_2300 the second request repeats: the tree has cached 1,984 of them
-(31 whole pages), the rest and its own suffix are prefilled."""
+REUSED = 3100
+"""Tokens of the long prompt the second request repeats: the tree has cached 3,072 of them
+(48 whole pages), the rest and its own suffix are prefilled."""
 SUFFIX = 60
 STORED_TOKENS = REUSED // PAGE_SIZE * PAGE_SIZE
-"""The stored prefix B reloads: the 31 whole pages of argparse the batch wrote through (A did
-not write the reused request's 32nd page, of prefix and suffix, within minutes in a run)."""
+"""The stored prefix B reloads: the 48 whole pages of argparse the batch wrote through (A did
+not write a reused request's own page, of prefix and suffix, within minutes in a run)."""
 
 
 def _payloads(tokenizer) -> dict:
     """The batch, and a request over the first `REUSED` tokens of its long prompt followed by
     another suffix (sent after the batch)."""
-    ids = {name: PROMPTS[name](tokenizer) for name in NAMES}
+    prompts = {**PROMPTS, LONG_PROMPT: lambda tok: stdlib_ids(tok, "argparse", 3200, start=6000)}
+    ids = {name: prompts[name](tokenizer) for name in NAMES}
     suffix = PROMPTS["bisect_300"](tokenizer)[:SUFFIX]
     return {
         "batch": [payload(ids[name], name, max_new_tokens=NEW_TOKENS) for name in NAMES],
-        "reuse": payload(ids["argparse_2300"][:REUSED] + suffix, "code",
+        "reuse": payload(ids[LONG_PROMPT][:REUSED] + suffix, "code",
                          max_new_tokens=NEW_TOKENS),
     }
 
