@@ -75,7 +75,7 @@ def test_reloaded_pages_are_the_pools_own_pages_without_quantizing(stored):
     page_keys = _read(storage)
     assert len(RELOADED) == 2
     RELOADED.install(page_keys, slots, PAGE)
-    got = pool.pages(slots)
+    got = pool.pages(slots.to(torch.int32))  # found whatever the slots' integer dtype
     assert pool.compressed_pages == 0 and pool.installed_pages == 4
     assert RELOADED.snapshot()["installed_pages"] - before["installed_pages"] == 4
     assert len(RELOADED) == 0

@@ -5,10 +5,9 @@ lossy level, and decoding the exact KV decodes that level on the way. So when a 
 store reads a page, it offers that level's codes here, keyed by the page's storage key (the
 radix tree's page hash). SGLang then loads the page's KV from its host pool into device slots
 when a request uses it (`UnifiedRadixCache.load_back`, or its buffer-only pipeline); the hooks
-below map the loaded pages'
-hashes to those slots and installs the codes as the compressed pool's pages for them
-(`CompressedPagePool.install`). Drafting then reads them at once, and the pool quantizes none
-of the reloaded prefix from the full KV.
+below map the loaded pages' hashes to those slots and install the codes as the compressed
+pool's pages for them (`CompressedPagePool.install`). Drafting then reads them at once, and
+the pool quantizes none of the reloaded prefix from the full KV.
 
 Codes wait here between the read and the load-back, as the host pool's page waits. They are
 bounded as SGLang bounds prefetched pages (half the host pool, `prefetch_capacity_limit`), the
@@ -110,7 +109,7 @@ RELOADED = ReloadedCodes()
 
 
 def install_reloaded_codes(load_back: Callable[..., bool], tree: Any, node_id: Any,
-                    mem_quota: int | None = None, req: Any = None) -> bool:
+                           mem_quota: int | None = None, req: Any = None) -> bool:
     """Around `UnifiedRadixCache.load_back`: once SGLang loaded a request's host pages onto
     the device (they end the request's matched path, after `req.last_node`), install the
     codes the store decoded for them."""

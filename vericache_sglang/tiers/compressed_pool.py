@@ -110,7 +110,7 @@ class CompressedPagePool:
     def _lookup(self, groups: torch.Tensor) -> list[int]:
         """Page ids of `groups` [n, group] by their slots, compressing those no page holds
         (the leading ones that fit when the pool is full)."""
-        keys = [row.numpy().tobytes() for row in groups.cpu()]
+        keys = self._keys(groups)
         pages = [self._page_of.get(key, -1) for key in keys]
         missing = [i for i, page in enumerate(pages) if page < 0]
         if len(missing) > len(self._free):
@@ -118,13 +118,25 @@ class CompressedPagePool:
             pages = pages[: missing[len(self._free)]]
             missing = missing[: len(self._free)]
         if missing:
-            new = [self._free.pop() for _ in missing]
+            new = self._claim(keys, missing)
             for i, page in zip(missing, new, strict=True):
                 pages[i] = page
-                self._page_of[keys[i]] = page
-                self._key_of[page] = keys[i]
             self._compress(torch.tensor(new, device=groups.device), groups[missing])
         return pages
+
+    @staticmethod
+    def _keys(groups: torch.Tensor) -> list[bytes]:
+        """The key of each group of slots [n, group]: its int64 slots' bytes, so that slots
+        of any integer dtype (a request's row, SGLang's load-back indices) find one page."""
+        return [row.numpy().tobytes() for row in groups.to("cpu", torch.int64)]
+
+    def _claim(self, keys: list[bytes], indices: list[int]) -> list[int]:
+        """Free pages for `keys[i]`, i in `indices` (at most the free count), now theirs."""
+        new = [self._free.pop() for _ in indices]
+        for i, page in zip(indices, new, strict=True):
+            self._page_of[keys[i]] = page
+            self._key_of[page] = keys[i]
+        return new
 
     def install(self, slots: torch.Tensor, tiers: list[QuantTier]) -> int:
         """Take the pages of tokens at full-pool `slots` (whole groups, in token order) from
@@ -137,17 +149,14 @@ class CompressedPagePool:
                     tiers, self.bits, strict=True))):
             raise ValueError("codes of another geometry than this pool's pages")
         groups = slots.reshape(-1, self.group)
-        keys = [row.numpy().tobytes() for row in groups.cpu()]
+        keys = self._keys(groups)
         wanted = [i for i, key in enumerate(keys) if key not in self._page_of]
         if len(wanted) > len(self._free):
             self._warn_full(len(wanted))
             wanted = wanted[: len(self._free)]
         if not wanted:
             return 0
-        new = [self._free.pop() for _ in wanted]
-        for i, page in zip(wanted, new, strict=True):
-            self._page_of[keys[i]] = page
-            self._key_of[page] = keys[i]
+        new = self._claim(keys, wanted)
         rows = torch.tensor(wanted)
         tokens = (rows[:, None] * self.group + torch.arange(self.group)).flatten()
         self._write(torch.tensor(new, device=self.page_slots.device), groups[rows],
