@@ -13,6 +13,7 @@ file in a subprocess with it set, and only there do the pool tests run.
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -33,8 +34,7 @@ NEW_TOKENS = 8
 
 
 @pytest.mark.parametrize(("backend", "placement", "native"), [
-    ("triton", "device", True), ("flashinfer", "device", True),
-    ("fa3", "device", False),  # sizes its verify by the server's fixed draft width
+    ("triton", "device", True), ("flashinfer", "device", True), ("fa3", "device", True),
     ("torch_native", "device", False), ("intel_amx", "device", False),
     ("triton", "host", False),  # the host tier's KV is in staging slots
 ])
@@ -111,6 +111,7 @@ def sglang_runner(demo_model):
                                    page_size=1, device="cpu")
     return SimpleNamespace(
         device="cpu", gpu_id=0, page_size=1, is_draft_worker=False, kv_cache_dtype=torch.float32,
+        kv_cache_dtype_str="auto",
         model_config=config, req_to_token_pool=req_to_token, token_to_kv_pool=pool,
         token_to_kv_pool_allocator=allocator, kv_index_translator=translator,
         sliding_window_size=None, spec_algorithm=args.speculative_algorithm,
@@ -222,3 +223,38 @@ def test_flashinfer_verify_arguments_read_each_chain_in_place(sglang_runner):
     assert len(kv_indices) == sum(lens)
     for b, rows in enumerate(chains.rows):
         assert kv_indices[kv_indptr[b]: kv_indptr[b + 1]].tolist() == rows.tolist()
+
+
+def _no_fa3_kernel(*_args, **_kwargs):
+    raise AssertionError("FA3's CUDA kernels do not run on a CPU")
+
+
+@interpreter_only
+def test_fa3_verify_metadata_sizes_each_chain_by_the_round(sglang_runner, monkeypatch):
+    """SGLang's FA3 backend, given VeriCache's verify input of this round's width (4, where the
+    server's `speculative_num_draft_tokens` is 7), plans `width` causal queries per request over
+    its prefix and chain, read from `req_to_token` by page table. FA3's kernels are CUDA only
+    (`sgl_kernel.flash_attn` has no CPU build): they stand here as functions that fail if
+    called, and the backend's metadata, all that VeriCache's input decides, is SGLang's code."""
+    import types
+
+    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+
+    kernels = types.ModuleType("sgl_kernel.flash_attn")
+    kernels.flash_attn_varlen_func = kernels.flash_attn_with_kvcache = _no_fa3_kernel
+    kernels.get_scheduler_metadata = _no_fa3_kernel
+    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_attn", kernels)
+    prefixes, width = [300, 170, 41], 4
+    chains = Chains(sglang_runner, prefixes, width, seed=11)
+    backend = FlashAttentionBackend(sglang_runner)
+    assert backend.speculative_num_draft_tokens == 7  # the longest round, not this one
+    batch = chains.forward_batch()
+    backend.init_forward_metadata(batch)
+    meta = backend.forward_metadata
+    assert meta.max_seq_len_q == width
+    assert meta.cu_seqlens_q.tolist() == [0, width, 2 * width, 3 * width]
+    lens = [n + width for n in prefixes]
+    assert meta.cache_seqlens_int32.tolist() == lens
+    assert meta.cu_seqlens_k.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
+    for b, rows in enumerate(chains.rows):
+        assert meta.page_table[b, : lens[b]].tolist() == rows.tolist()

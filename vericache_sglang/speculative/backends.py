@@ -6,10 +6,9 @@ request-owned blocks); verification and every other forward over the full KV rea
 pool, or, with the full KV in host memory, the staging area the staged backend fills.
 
 Verification runs through the server's own attention backend where that backend verifies a
-chain of any width in place (SGLang's Triton and FlashInfer backends, the ones its EAGLE and
-NGRAM workers verify with), else through `VerifyAttnBackend`, torch_native's extension (the CPU
-backends have no TARGET_VERIFY path; FA3 sizes its verify by the server's fixed
-`speculative_num_draft_tokens`, which a round's draft length is not).
+chain of any width in place (SGLang's Triton, FlashInfer and FA3 backends, the ones its EAGLE and
+NGRAM workers verify with; FA3 through the verify input's per-request layout), else through
+`VerifyAttnBackend`, torch_native's extension (the CPU backends have no TARGET_VERIFY path).
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ from vericache_sglang.tiers.staging import StagingArea
 
 logger = logging.getLogger(__name__)
 
-NATIVE_VERIFY_BACKENDS = ("triton", "flashinfer")
+NATIVE_VERIFY_BACKENDS = ("triton", "flashinfer", "fa3")
 """SGLang decode attention backends whose TARGET_VERIFY forward reads a chain of
-`spec_info.draft_token_num` tokens per request, causally, from the KV pool by index."""
+`spec_info.draft_token_num` tokens per request (FA3: `spec_info.ragged_verify_layout`),
+causally, from the KV pool by index."""
 
 
 def verifies_natively(decode_backend: str | None, placement: str) -> bool:

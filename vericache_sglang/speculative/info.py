@@ -4,18 +4,21 @@
 emitted token, whose KV is not written yet); `VeriCacheVerifyInput` describes one TARGET_VERIFY
 forward (a chain of `draft_token_num` tokens per request). A chain needs no mask: each token
 sees the committed prefix and the chain before it, which is what SGLang's attention backends
-compute for a verify without `custom_mask` (Triton's extend kernel, FlashInfer's causal plan).
+compute for a verify without `custom_mask` (Triton's extend kernel, FlashInfer's causal plan,
+FA3's causal varlen kernel: the latter two align each chain to the end of its keys).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 from sglang.srt.mem_cache.kv_loc_plan import IdSpaceKind, KVLocPlan
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
 
 
@@ -67,6 +70,18 @@ class VeriCacheVerifyInput(SpecInput):
     @property
     def tree_topk(self) -> int:
         return 1
+
+    @cached_property
+    def ragged_verify_layout(self) -> RaggedVerifyLayout:
+        """SGLang's per-request verify geometry, here `draft_token_num` for every request.
+
+        FA3 sizes a verify by this layout where there is one, else by the server's fixed
+        `speculative_num_draft_tokens` (the longest round, which a round's width is not).
+        Built on first read, so only a backend that reads it pays for it."""
+        batch = self.positions.numel() // self.draft_token_num
+        return RaggedVerifyLayout.from_verify_lens(
+            verify_lens_cpu=[self.draft_token_num] * batch, device=self.positions.device,
+            grid=[self.positions.numel()])
 
     def generate_attn_arg_prefill(
         self, *, req_pool_indices: torch.Tensor, paged_kernel_lens: torch.Tensor,
