@@ -258,3 +258,37 @@ def test_fa3_verify_metadata_sizes_each_chain_by_the_round(sglang_runner, monkey
     assert meta.cu_seqlens_k.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
     for b, rows in enumerate(chains.rows):
         assert meta.page_table[b, : lens[b]].tolist() == rows.tolist()
+
+
+@interpreter_only
+@pytest.mark.parametrize("triton_verify", [True, False], ids=["triton kernel", "sdpa"])
+def test_the_host_tiers_verify_reads_staging_units_by_index(sglang_runner, triton_verify):
+    """With the full KV in host memory, verification reads each layer's staging units: on a
+    Triton server through SGLang's Triton extend kernel (each request's staged prefix by
+    index, its chain causally), else through the batched SDPA. Three requests over two units;
+    every chain token's attention is its request's prefix and chain up to itself."""
+    from tests.compress.helpers import attention
+    from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
+    from vericache_sglang.tiers.staging import StagingArea
+
+    prefixes, width = [300, 170, 41], 4
+    chains = Chains(sglang_runner, prefixes, width, seed=13)
+    staging = StagingArea(sglang_runner.token_to_kv_pool, unit_tokens=480, depth=2,
+                          device="cpu")
+    try:
+        backend = StagedFullKVAttnBackend(sglang_runner, staging, triton_verify=triton_verify)
+        backend.prefetch(chains.slots, prefixes, width)
+        batch = chains.forward_batch()
+        backend.init_forward_metadata(batch)
+        queries, keys, values = chains.chain_kv()
+        out = backend.forward_extend(queries, keys, values, chains.layer, batch)
+        # every prefix row of K and V (float32) came through the staging units, once
+        assert staging.take_stats().bytes == sum(prefixes) * 2 * chains.kv_heads * chains.dim * 4
+    finally:
+        staging.close()
+    out = out.view(len(prefixes), width, chains.q_heads, chains.dim)
+    for b, n in enumerate(prefixes):
+        for j in range(width):
+            expected = attention(chains.queries[b][j], chains.keys[b][: n + j + 1],
+                                 chains.values[b][: n + j + 1], chains.layer.scaling)
+            torch.testing.assert_close(out[b, j], expected, rtol=1e-4, atol=1e-5)

@@ -7,7 +7,10 @@ one layer at a time; verification's units are planned and started by the worker 
 drafting starts, so the copies run behind the draft steps. Per layer it waits for that layer's
 units only, writes the forward's own new K/V in behind each staged prefix, and runs exactly the
 attention SGLang's torch_native backend (or, for verification, `VerifyAttnBackend`) runs, over
-the staged rows instead of the pool: the same keys in the same order, so the same result.
+the staged rows instead of the pool: the same keys in the same order, so the same result. On a
+server whose attention backend is SGLang's Triton backend, verification runs that backend's own
+extend kernel over each unit instead, reading every request's staged prefix by index and its
+chain as the extend part, causally, as Triton's TARGET_VERIFY does over the pool.
 
 New K/V go to the host tier as they are computed (prefill, plain decode); a verify chain's K/V
 are kept for the round and only the accepted tokens' are written (`commit_chain`), so rejected
@@ -32,11 +35,14 @@ Observer = Callable[[torch.Tensor, object, object], None]
 class StagedFullKVAttnBackend(VerifyAttnBackend):
     """SGLang attention whose full KV is read from the staging area, not the pool."""
 
-    def __init__(self, model_runner, staging: StagingArea,
-                 observer: Observer | None = None) -> None:
+    def __init__(self, model_runner, staging: StagingArea, observer: Observer | None = None,
+                 *, triton_verify: bool = False) -> None:
+        """`triton_verify`: verify with SGLang's Triton extend kernel (the server decodes with
+        SGLang's Triton backend), else with `VerifyAttnBackend`'s masked SDPA."""
         super().__init__(model_runner)
         self.staging = staging
         self.observer = observer
+        self.triton_verify = triton_verify
         self._fetch: Fetch | None = None
         self._chain: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -87,10 +93,13 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
             width = forward_batch.spec_info.draft_token_num
             self._chain[layer.layer_id] = (k_, v_)
             for unit, local, (a, b) in self._units(layer, k_, v_, lambda _: width):
+                rows = slice(a * width, b * width)
+                if self.triton_verify:
+                    _triton_verify(q_[rows], k_[rows], v_[rows], o_[rows], unit, width, layer)
+                    continue
                 plan = VerifyPlan.of(local, torch.arange(len(local), device=local.device),
                                      torch.tensor(unit.prefix), max(unit.prefix), width)
-                o_[a * width:b * width] = plan.attend(q_[a * width:b * width], unit.k, unit.v,
-                                                      layer)
+                o_[rows] = plan.attend(q_[rows], unit.k, unit.v, layer)
         else:
             if save_kv_cache:
                 self._write(layer, forward_batch.out_cache_loc, k, v)
@@ -171,6 +180,26 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
         """New K/V to the host tier at their SGLang slots."""
         self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, self.swa_out_cache_loc),
                                             k, v)
+
+
+def _triton_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   unit: Unit, width: int, layer) -> None:
+    """SGLang's Triton extend kernel over one staging unit: each request's `width` chain
+    queries attend to its staged prefix (by index into the unit) and, causally, its chain
+    (`k`, `v`); writes `o`. The arguments are the ones Triton's TARGET_VERIFY passes with
+    `custom_mask=None`, with the unit's buffers in place of the pool's."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    device = unit.k.device
+    prefix = torch.tensor(unit.prefix, dtype=torch.int32)
+    kv_indptr = torch.zeros(len(unit.prefix) + 1, dtype=torch.int32)
+    kv_indptr[1:] = prefix.cumsum(0)
+    kv_indices = torch.cat([torch.arange(start, start + n) for start, n in
+                            zip(unit.starts, unit.prefix, strict=True)])
+    qo_indptr = torch.arange(len(unit.prefix) + 1, dtype=torch.int32) * width
+    extend_attention_fwd(q, k, v, o, unit.k, unit.v, qo_indptr.to(device), kv_indptr.to(device),
+                         kv_indices.to(device), None, True, None, width, 1.0, 1.0,
+                         sm_scale=layer.scaling)
 
 
 def _cpu_list(cpu: torch.Tensor | list | None, fallback: torch.Tensor) -> list[int]:

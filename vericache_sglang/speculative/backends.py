@@ -73,13 +73,23 @@ class RoundBackends:
         self.full: StagedFullKVAttnBackend | None = None
         if self.staging is not None:
             observer = self.draft.observe_prompt if compressor.needs_scores else None
-            self.full = StagedFullKVAttnBackend(runner, self.staging, observer)
+            self.full = StagedFullKVAttnBackend(
+                runner, self.staging, observer,
+                triton_verify=getattr(runner, "decode_attention_backend_str", None) == "triton")
             self.verify = self.full
         elif verifies_natively(getattr(runner, "decode_attention_backend_str", None), placement):
             self.verify = runner.attn_backend
         else:
             self.verify = VerifyAttnBackend(runner)
-        logger.info("VeriCache verification: %s", type(self.verify).__name__)
+        logger.info("VeriCache verification: %s", self.verify_kernel)
+
+    @property
+    def verify_kernel(self) -> str:
+        """The backend verification runs through, and its kernel where that differs."""
+        name = type(self.verify).__name__
+        if self.full is not None and self.full.triton_verify:
+            return f"{name} (SGLang's Triton extend kernel)"
+        return name
 
     def reset_tier(self) -> None:
         """Drop every request-owned block (a cache flush)."""
@@ -103,7 +113,7 @@ class RoundBackends:
         tokens = self.runner.max_total_num_tokens
         report: dict[str, Any] = {
             "full_tier": self.placement,
-            "verify_backend": type(self.verify).__name__,
+            "verify_backend": self.verify_kernel,
             "full_kv_pool_bytes": full_bytes,
             "full_kv_pool_tokens": tokens,
             "full_kv_bytes_per_token": full_bytes / (tokens + 1),  # SGLang pads one slot
