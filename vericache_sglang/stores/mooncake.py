@@ -13,7 +13,8 @@ cleanly, and VeriCache skips the plain server's raw pages the same way. Other pa
 stored as SGLang stores them (raw, zero-copy).
 
 Streams go through the store's byte `put` / `get` (the coded object's size is not the page's,
-so SGLang's zero-copy reads into registered host pages do not apply). A page whose object is
+so SGLang's zero-copy reads into registered host pages do not apply); a read fetches the next
+page's object while it decodes the current one. A page whose object is
 missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
 there and the rest is prefilled. A put the store refuses (full: -200) is skipped and counted as
 a write error; serving goes on. A store that dies while serving makes lookups fail (counted
@@ -27,6 +28,8 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -86,6 +89,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         super().__init__(storage_config, mem_pool)
         self.compressor = compressor
         self._coder: PageCoder | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vericache-store-read")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -151,9 +155,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return super().batch_get_v1(keys, host_indices, extra_info)
         page = self.mem_pool_host.page_size
         results = [False] * len(keys)
-        for i, name in enumerate(self._coded_keys(keys)):
-            began = time.perf_counter()
-            blob = self.store.get(name)
+        names = self._coded_keys(keys)
+        began = time.perf_counter()
+        for i, (name, blob) in enumerate(zip(names, self._read_ahead(names), strict=True)):
             if not blob:
                 STORE_STATS.record("missing", name, "the store has no such object")
                 break
@@ -166,10 +170,24 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 break
             index = host_indices[i * page].item()
             self.mem_pool_host.set_from_flat_data_page(index, target)
-            seconds = time.perf_counter() - began
+            now = time.perf_counter()
+            seconds, began = now - began, now  # the page's share of the read: wall time
             STORE_STATS.add("read", "coded", len(blob), target.numel() * target.element_size(),
                             seconds)
             ADMISSION.record_read(page, seconds)
             results[i] = True
         return results
 
+    def _read_ahead(self, names: list[str]) -> Iterator[bytes]:
+        """The objects `names`, in order, each fetched while the one before it is decoded:
+        Mooncake's `get` releases the GIL, so a page's transfer overlaps its predecessor's
+        decode and a read takes about the longer of the two, not their sum. A read that stops
+        at a fault has fetched one page past it, which is dropped."""
+        if not names:
+            return
+        ahead = self._reader.submit(self.store.get, names[0])
+        for name in names[1:]:
+            blob = ahead.result()
+            ahead = self._reader.submit(self.store.get, name)
+            yield blob
+        yield ahead.result()
