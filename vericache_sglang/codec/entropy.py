@@ -41,10 +41,6 @@ class Grouping:
     def single(cls, size: int) -> Grouping:
         return cls(None, None, [size])
 
-    @property
-    def size(self) -> int:
-        return sum(self.counts)
-
     def sort(self, symbols: np.ndarray) -> np.ndarray:
         return symbols if self.order is None else symbols[self.order]
 
@@ -115,15 +111,11 @@ class SymbolReader:
         coded = np.asarray(grouping.counts) > 0
         if not tables[coded].any(axis=1).all():
             raise StreamError("KV stream table has no symbols for a coded group")
-        freqs = tables.astype(np.float64)
-        ordered = np.empty(grouping.size, dtype=np.int32)
-        start = 0
-        for group, count in enumerate(grouping.counts):
-            if count:
-                ordered[start:start + count] = self._decoder.decode(
-                    _categorical(freqs[group]), count)
-                start += count
-        return grouping.unsort(ordered)
+        decode = self._decoder.decode
+        parts = [decode(_categorical(freqs), count)
+                 for freqs, count in zip(tables.astype(np.float64), grouping.counts, strict=True)
+                 if count]
+        return grouping.unsort(np.concatenate(parts) if parts else np.empty(0, dtype=np.int32))
 
     def uniform(self, sizes: np.ndarray) -> np.ndarray:
         if not sizes.size:

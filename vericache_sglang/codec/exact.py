@@ -53,62 +53,62 @@ def float_format(dtype: torch.dtype | str) -> FloatFormat:
     return FORMATS[name]
 
 
-def bit_patterns(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Unsigned bit patterns of x as int64."""
-    mask = (1 << fmt.bits) - 1
-    return x.contiguous().view(fmt.int_dtype).to(torch.int64) & mask
+def _signed(x: torch.Tensor, fmt: FloatFormat) -> np.ndarray:
+    """Bit patterns of x as signed int64 (numpy: cheaper than torch for these masked steps)."""
+    return x.contiguous().view(fmt.int_dtype).numpy().astype(np.int64)
 
 
-def from_patterns(u: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    signed = torch.where(u >= 1 << (fmt.bits - 1), u - (1 << fmt.bits), u)
-    return signed.to(fmt.int_dtype).view(fmt.dtype)
+def _flip(s: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Signed bit patterns <-> integers in the floats' order (-0 just below +0): a negative
+    float's magnitude bits are flipped. Its own inverse."""
+    return s ^ ((s >> 63) & ((1 << (fmt.bits - 1)) - 1))
 
 
-def ordered(u: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Bit patterns -> integers in the floats' order (-0 just below +0)."""
-    sign = 1 << (fmt.bits - 1)
-    return torch.where(u >= sign, -1 - (u - sign), u)
+def _exponent(u: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    return u >> fmt.mantissa & ((1 << (fmt.bits - 1 - fmt.mantissa)) - 1)
 
 
-def unordered(o: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    return torch.where(o < 0, (-1 - o) + (1 << (fmt.bits - 1)), o)
+def _floats(u: np.ndarray, fmt: FloatFormat) -> torch.Tensor:
+    """Unsigned bit patterns (int64) -> floats of fmt's dtype."""
+    unsigned = u.astype(f"u{fmt.bits // 8}")
+    return torch.from_numpy(unsigned.view(f"i{fmt.bits // 8}")).view(fmt.dtype)
 
 
 @dataclass
 class _Plan:
     """What the decoder can compute before reading a layer's residual symbols."""
 
-    low: torch.Tensor
+    low: np.ndarray
     """Ordered integer of each bin's lowest value (narrow elements)."""
-    count: torch.Tensor
-    narrow: torch.Tensor
-    top_exponent: torch.Tensor
+    count: np.ndarray
+    narrow: np.ndarray
+    top_exponent: np.ndarray
     """Exponent field of each wide bin's largest magnitude."""
 
 
 def _plan(pred: torch.Tensor, half: torch.Tensor, fmt: FloatFormat) -> _Plan:
     lo = (pred - half).to(fmt.dtype)
     hi = (pred + half).to(fmt.dtype)
-    low = ordered(bit_patterns(lo, fmt), fmt) - fmt.margin
-    count = ordered(bit_patterns(hi, fmt), fmt) + fmt.margin - low + 1
-    spans_zero = (lo.float() < 0) & (hi.float() > 0)
-    narrow = ~spans_zero & (count <= NARROW_LIMIT)
-    top = torch.maximum(lo.float().abs(), hi.float().abs()).to(fmt.dtype)
-    top_exponent = bit_patterns(top, fmt) >> fmt.mantissa & ((1 << (fmt.bits - 1 - fmt.mantissa))
-                                                            - 1)
+    s_lo, s_hi = _signed(lo, fmt), _signed(hi, fmt)
+    low = _flip(s_lo, fmt) - fmt.margin
+    count = _flip(s_hi, fmt) + fmt.margin - low + 1
+    narrow = ~((lo < 0) & (hi > 0)).numpy() & (count <= NARROW_LIMIT)
+    # the larger magnitude has the larger exponent field (NaN's being the largest)
+    mask = (1 << fmt.bits) - 1
+    top_exponent = np.maximum(_exponent(s_lo & mask, fmt), _exponent(s_hi & mask, fmt))
     return _Plan(low, count, narrow, top_exponent)
 
 
-def _raw(writer: SymbolWriter, u: torch.Tensor, fmt: FloatFormat) -> None:
+def _raw(writer: SymbolWriter, u: np.ndarray, fmt: FloatFormat) -> None:
     for shift in range(0, fmt.bits, 16):
-        digits = ((u >> shift) & 0xFFFF).numpy()
+        digits = (u >> shift) & 0xFFFF
         writer.uniform(digits, np.full(digits.size, 1 << 16))
 
 
-def _read_raw(reader: SymbolReader, n: int, fmt: FloatFormat) -> torch.Tensor:
-    u = torch.zeros(n, dtype=torch.int64)
+def _read_raw(reader: SymbolReader, n: int, fmt: FloatFormat) -> np.ndarray:
+    u = np.zeros(n, dtype=np.int64)
     for shift in range(0, fmt.bits, 16):
-        u |= torch.from_numpy(reader.uniform(np.full(n, 1 << 16)).astype(np.int64)) << shift
+        u |= reader.uniform(np.full(n, 1 << 16)).astype(np.int64) << shift
     return u
 
 
@@ -116,26 +116,24 @@ def encode_residual(x: torch.Tensor, pred: torch.Tensor, half: torch.Tensor,
                     fmt: FloatFormat) -> bytes:
     """x (flat, in fmt's dtype) given the bins (pred, half: float32, same length)."""
     plan = _plan(pred, half, fmt)
-    u = bit_patterns(x, fmt)
-    offset = ordered(u, fmt) - plan.low
+    s = _signed(x, fmt)
+    u = s & ((1 << fmt.bits) - 1)
+    offset = _flip(s, fmt) - plan.low
     narrow = plan.narrow
     inside = narrow & (offset >= 0) & (offset < plan.count)
     writer = SymbolWriter()
     # narrow: the offset, or `count` for an escape
-    n_off = torch.where(inside, offset, plan.count)[narrow]
-    writer.uniform(n_off.numpy(), (plan.count[narrow] + 1).numpy())
+    writer.uniform(np.where(inside, offset, plan.count)[narrow], plan.count[narrow] + 1)
     # wide: exponent below the top (table), then sign and mantissa
     wide = ~narrow
-    exp_bits = fmt.bits - 1 - fmt.mantissa
-    exponent = u >> fmt.mantissa & ((1 << exp_bits) - 1)
+    exponent = _exponent(u, fmt)
     below = plan.top_exponent - exponent
     ok = wide & (exponent > 0) & (below >= 0) & (below < ESCAPE)
-    symbols = torch.where(ok, below, torch.full_like(below, ESCAPE))[wide].numpy()
+    symbols = np.where(ok, below, ESCAPE)[wide]
     table = writer.grouped(symbols, Grouping.single(symbols.size), EXP_SYMBOLS)
-    signs = (u[ok] >> (fmt.bits - 1)).numpy()
-    writer.uniform(signs, np.full(signs.size, 2))
-    mantissas = (u[ok] & ((1 << fmt.mantissa) - 1)).numpy()
-    writer.uniform(mantissas, np.full(mantissas.size, 1 << fmt.mantissa))
+    u_ok = u[ok]
+    writer.uniform(u_ok >> (fmt.bits - 1), np.full(u_ok.size, 2))
+    writer.uniform(u_ok & ((1 << fmt.mantissa) - 1), np.full(u_ok.size, 1 << fmt.mantissa))
     _raw(writer, u[(narrow & ~inside) | (wide & ~ok)], fmt)
     return table.tobytes() + writer.finish()
 
@@ -146,31 +144,24 @@ def decode_residual(data: memoryview, pred: torch.Tensor, half: torch.Tensor,
     plan = _plan(pred, half, fmt)
     table = np.frombuffer(data[:EXP_SYMBOLS], dtype=np.uint8).reshape(1, EXP_SYMBOLS)
     reader = SymbolReader(data[EXP_SYMBOLS:])
-    narrow = plan.narrow
-    n = narrow.numel()
-    o = torch.zeros(n, dtype=torch.int64)
+    narrow = np.flatnonzero(plan.narrow)
+    wide = np.flatnonzero(~plan.narrow)
+    u = np.empty(plan.narrow.size, dtype=np.int64)
     n_count = plan.count[narrow]
-    n_off = torch.from_numpy(reader.uniform((n_count + 1).numpy()).astype(np.int64))
-    n_inside = n_off < n_count
-    o[narrow] = plan.low[narrow] + n_off
-    u = unordered(o, fmt)
-    wide = ~narrow
-    symbols = torch.from_numpy(reader.grouped(Grouping.single(int(wide.sum())),
-                                              table).astype(np.int64))
+    n_off = reader.uniform(n_count + 1)
+    u[narrow] = _flip(plan.low[narrow] + n_off, fmt) & ((1 << fmt.bits) - 1)
+    symbols = reader.grouped(Grouping.single(wide.size), table).astype(np.int64)
     w_ok = symbols < ESCAPE
-    ok = torch.zeros(n, dtype=torch.bool)
-    ok[wide] = w_ok
-    count = int(w_ok.sum())
-    signs = torch.from_numpy(reader.uniform(np.full(count, 2)).astype(np.int64))
-    mantissas = torch.from_numpy(reader.uniform(np.full(count, 1 << fmt.mantissa)).astype(
-        np.int64))
+    ok = wide[w_ok]
+    signs = reader.uniform(np.full(ok.size, 2)).astype(np.int64)
+    mantissas = reader.uniform(np.full(ok.size, 1 << fmt.mantissa)).astype(np.int64)
     exponent = plan.top_exponent[ok] - symbols[w_ok]
     u[ok] = signs << (fmt.bits - 1) | exponent << fmt.mantissa | mantissas
-    escaped = torch.zeros(n, dtype=torch.bool)
-    escaped[narrow] = ~n_inside
-    escaped |= wide & ~ok
+    escaped = np.zeros(plan.narrow.size, dtype=bool)
+    escaped[narrow[n_off >= n_count]] = True
+    escaped[wide[~w_ok]] = True
     u[escaped] = _read_raw(reader, int(escaped.sum()), fmt)
-    return from_patterns(u, fmt)
+    return _floats(u, fmt)
 
 
 def encode_planes(x: torch.Tensor, level: int) -> bytes:
