@@ -78,6 +78,17 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int) -> dict
             "cached": last["meta_info"].get("cached_tokens_details") or {}}
 
 
+STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds")
+"""VeriCache's store counters of the timed request: pages read, their bytes, and the seconds
+the store's reads took (transfer and decode, in SGLang's prefetch thread)."""
+
+
+def store_io(server: ServerProcess) -> dict:
+    """VeriCache's store counters (`/server_info`); empty for plain SGLang."""
+    states = server.server_info().get("internal_states") or [{}]
+    return states[0].get("vericache_state", {}).get("store_io", {})
+
+
 def warm_up(server: ServerProcess, unstored: list[int], stored: list[int]) -> None:
     """A long prefill, then a prompt whose pages are stored (read, where the server reads)."""
     for ids in (unstored, stored):
@@ -117,9 +128,12 @@ def run_inside(args: argparse.Namespace) -> dict:
             with ServerProcess(target, server_args, max_total_tokens=DEVICE_TOKENS,
                                env=store.env()) as b:
                 warm_up(b, unstored, stored)
-                sent = link_bytes()
+                sent, io = link_bytes(), store_io(b)
                 results[name] = timed_stream(b, question, args.new_tokens)
                 results[name]["link_bytes"] = link_bytes() - sent
+                after = store_io(b)
+                results[name]["store_read"] = {key: after.get(key, 0) - io.get(key, 0)
+                                               for key in STORE_READ_KEYS}
     reference = results.get("recompute", {}).get("output_ids")
     for result in results.values():
         output = result.pop("output_ids")
@@ -133,11 +147,15 @@ def _table(results: dict, args: argparse.Namespace) -> str:
             f"{args.prefix_tokens}-token stored prefix + 60-token question, "
             f"{args.new_tokens} greedy tokens, float32 demo model, one run.", "",
             "| server | first token s | last token s | last / HiCache | link MB | "
-            "storage hit | identical |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "storage hit | store reads s (pages) | identical |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
+        read = r.get("store_read") or {}
+        reads = (f"{read['read_codec_seconds']:.1f} ({read['read_coded_pages']})"
+                 if read.get("read_coded_pages") else "-")
         rows.append(f"| {name} | {r['first_s']:.1f} | {r['last_s']:.1f} | "
                     f"{r['last_s'] / base['last_s']:.2f}x | {r['link_bytes'] / 1e6:.1f} | "
-                    f"{r['cached'].get('storage', 0)} | {r['identical']} |")
+                    f"{r['cached'].get('storage', 0)} | {reads} | {r['identical']} |")
     return "\n".join(rows)
 
 

@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
+from .decode_worker import DECODE_WORKER
 from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 from .reconnect import build_or_reconnect
 from .reloaded import RELOADED
@@ -98,6 +99,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
         if self.is_mla_backend or self.should_split_heads:
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
+        if self._coder is not None:
+            DECODE_WORKER.start()
         logger.info("VeriCache Mooncake store: pages of %d token(s) stored %s",
                     mem_pool_host.page_size, "as CacheGen streams" if self._coder else
                     "raw, as SGLang stores them (--page-size 64 codes them)")

@@ -21,6 +21,7 @@ from vericache_sglang.compress.quant import KiviQuantizer
 from vericache_sglang.compress.registry import parse_compressor_spec
 from vericache_sglang.config import served_config
 
+from .decode_worker import DECODE_WORKER, Decoded
 from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ class PageCoder:
         rows = (host_pool.page_size, host_pool.layer_num)
         self.shape = (2, *(rows if self.page_first else rows[::-1]),
                       host_pool.head_num, host_pool.head_dim)
+        self.chunk_shape = (host_pool.layer_num, host_pool.page_size, host_pool.head_num,
+                            host_pool.head_dim)
+        """[L, page, H, D]: a decoded stream's keys (and values)."""
 
     @classmethod
     def for_pool(cls, host_pool: Any, compressor_spec: str) -> PageCoder | None:
@@ -109,18 +113,24 @@ class PageCoder:
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
                page_key: str | None = None) -> None:
-        """Decode the exact KV of `blob` into the flat page `target`; with `page_key` (the
-        page's storage hash), offer its pool-level codes for the reloaded compressed pages
-        (`reloaded.py`)."""
-        chunk = decode_chunk(blob, key=key.encode())
+        """Decode the exact KV of `blob` into the flat page `target`, in the decoder process
+        (`decode_worker.py`); with `page_key` (the page's storage hash), offer its pool-level
+        codes for the reloaded compressed pages (`reloaded.py`)."""
+        keys, values, tiers = DECODE_WORKER.decode(self, blob, key)
         kv = self._kv(target)
-        if chunk.keys.shape != kv.shape[1:] or chunk.keys.dtype != self.dtype:
+        kv[0].copy_(keys)
+        kv[1].copy_(values)
+        if page_key is not None and tiers:
+            RELOADED.offer(page_key, tiers)
+
+    def decode_page(self, blob: bytes | memoryview, key: str) -> Decoded:
+        """The exact keys and values of `blob`, checked against this pool's page, and its
+        pool-level codes (none where the stream's levels only predict)."""
+        chunk = decode_chunk(blob, key=key.encode())
+        if tuple(chunk.keys.shape) != self.chunk_shape or chunk.keys.dtype != self.dtype:
             raise StreamError(f"the stream holds {tuple(chunk.keys.shape)} {chunk.keys.dtype}, "
-                              f"the page is {tuple(kv.shape[1:])} {self.dtype}")
-        kv[0].copy_(chunk.keys)
-        kv[1].copy_(chunk.values)
-        if page_key is not None and self.pool_level:
-            RELOADED.offer(page_key, chunk.tiers)
+                              f"the page is {self.chunk_shape} {self.dtype}")
+        return chunk.keys, chunk.values, chunk.tiers if self.pool_level else []
 
 
 def fault_kind(error: StreamError) -> str:

@@ -1,0 +1,73 @@
+"""A store's pages decode in a child process (`stores/decode_worker.py`), on real demo-model KV:
+the same bits as decoding in the calling thread, a damaged stream's error raised to the caller,
+and a child killed between pages loses nothing (the page decodes in the caller, a new child
+takes the next)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.stores.test_file_store import _flat_page, _host_pool
+from vericache_sglang.codec import StreamError
+from vericache_sglang.stores.decode_worker import DECODE_WORKER
+from vericache_sglang.stores.pages import PageCoder
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def page(request, model_kv) -> tuple[PageCoder, bytes, torch.Tensor]:
+    """A coder for 64-token pages of `dtype`, one page of real KV (tokens 64-127) coded, and
+    that page flat."""
+    coder = PageCoder.for_pool(_host_pool("layer_first", request.param), "kivi:bits=4")
+    keys, values = (t[:, 64:128].to(request.param) for t in model_kv)
+    flat = _flat_page(keys, values, "layer_first")
+    return coder, coder.encode(flat, "page-key"), flat
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+
+
+def test_the_child_decodes_the_same_bits_as_the_caller(page):
+    coder, blob, flat = page
+    here = coder.decode_page(blob, "page-key")
+    there = DECODE_WORKER.decode(coder, blob, "page-key")
+    assert DECODE_WORKER.pid() != os.getpid()
+    assert _same(there[0], here[0]) and _same(there[1], here[1])
+    assert len(there[2]) == len(here[2]) == 30
+    for mine, theirs in zip(here[2], there[2], strict=True):
+        assert mine.bits == theirs.bits
+        assert all(_same(a, b) for a, b in zip(mine.tensors(), theirs.tensors(), strict=True))
+    target = torch.zeros_like(flat)
+    coder.decode(blob, "page-key", target)
+    assert _same(target, flat)
+
+
+def test_a_damaged_stream_raises_in_the_caller(page):
+    coder, blob, _ = page
+    damaged = bytearray(blob)
+    damaged[len(blob) // 2] ^= 0xFF
+    with pytest.raises(StreamError, match="corrupted"):
+        DECODE_WORKER.decode(coder, bytes(damaged), "page-key")
+    with pytest.raises(StreamError):
+        DECODE_WORKER.decode(coder, blob, "another-key")  # digests keyed by the page's key
+
+
+def test_a_killed_child_loses_no_page(page):
+    coder, blob, flat = page
+    first = DECODE_WORKER.pid()
+    restarts = DECODE_WORKER.restarts
+    os.kill(first, signal.SIGKILL)
+    os.waitpid(first, 0)
+    target = torch.zeros_like(flat)
+    coder.decode(blob, "page-key", target)  # decoded in this thread
+    assert _same(target, flat)
+    assert DECODE_WORKER.restarts == restarts + 1
+    target.zero_()
+    coder.decode(blob, "page-key", target)  # by a new child
+    assert _same(target, flat)
+    assert DECODE_WORKER.pid() not in (first, os.getpid())
