@@ -13,9 +13,10 @@ without a store answers the same request: every output must equal it.
 Every server B first answers a long prompt nobody stored and a short one A stored, as a server
 that has been serving would have: `vericache-auto` (`--vericache-store-reads auto`) has then
 measured its read and prefill rates, and recomputes the stored prefix when reading it is the
-slower. What this measures today is VeriCache as built: a request whose prefix is read waits
-for all of its pages, as SGLang's prefetch does (issue 27 builds drafting on the compressed
-pages while the exact KV still arrives).
+slower. The timed request starts once B has stored the first prompt's pages, so its time and
+link bytes are its own. What this measures today is VeriCache as built: a request whose prefix
+is read waits for all of its pages, as SGLang's prefetch does (issue 27 builds drafting on the
+compressed pages while the exact KV still arrives).
 
     python -m bench.remote_prefix --prefix-tokens 3200 --rate-mbit 200 --new-tokens 64
 """
@@ -127,7 +128,11 @@ def run_inside(args: argparse.Namespace) -> dict:
                 store.wait_keys(keys + 1, timeout=900, settle=5.0)
             with ServerProcess(target, server_args, max_total_tokens=DEVICE_TOKENS,
                                env=store.env()) as b:
+                keys = store.wait_keys(0)
                 warm_up(b, unstored, stored)
+                # B writes the unstored prompt's pages behind its answer: wait for them, so
+                # the timed request's time and bytes are its own
+                store.wait_keys(keys + 1, timeout=900, settle=5.0)
                 sent, io = link_bytes(), store_io(b)
                 results[name] = timed_stream(b, question, args.new_tokens)
                 results[name]["link_bytes"] = link_bytes() - sent

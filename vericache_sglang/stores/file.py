@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
-from .decode_worker import DECODE_WORKER
+from .codec_worker import CODEC_WORKER
 from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 from .reloaded import RELOADED
 
@@ -83,7 +83,7 @@ class VeriCacheFileStorage(HiCacheFile):
         ADMISSION.enabled = store_reads_auto()
         RELOADED.bound_by(mem_pool_host)
         if self._coder is not None:
-            DECODE_WORKER.start()
+            CODEC_WORKER.start()
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
                         "(levels %s bits, then the exact KV)", page_size,
                         [sorted(set(level)) for level in self._coder.spec.levels])

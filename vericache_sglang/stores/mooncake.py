@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
-from .decode_worker import DECODE_WORKER
+from .codec_worker import CODEC_WORKER
 from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
 from .reconnect import build_or_reconnect
 from .reloaded import RELOADED
@@ -100,7 +100,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
         if self._coder is not None:
-            DECODE_WORKER.start()
+            CODEC_WORKER.start()
         logger.info("VeriCache Mooncake store: pages of %d token(s) stored %s",
                     mem_pool_host.page_size, "as CacheGen streams" if self._coder else
                     "raw, as SGLang stores them (--page-size 64 codes them)")

@@ -21,7 +21,7 @@ from vericache_sglang.compress.quant import KiviQuantizer
 from vericache_sglang.compress.registry import parse_compressor_spec
 from vericache_sglang.config import served_config
 
-from .decode_worker import DECODE_WORKER, Decoded
+from .codec_worker import CODEC_WORKER, Decoded
 from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -108,15 +108,20 @@ class PageCoder:
         return kv.transpose(1, 2) if self.page_first else kv
 
     def encode(self, flat: torch.Tensor, key: str) -> bytes:
+        """The stream of the flat page `flat`, coded in the codec process
+        (`codec_worker.py`)."""
+        return CODEC_WORKER.encode(self, flat, key)
+
+    def encode_page(self, flat: torch.Tensor, key: str) -> bytes:
         kv = self._kv(flat)
         return encode_chunk(kv[0], kv[1], self.spec, key.encode())
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
                page_key: str | None = None) -> None:
-        """Decode the exact KV of `blob` into the flat page `target`, in the decoder process
-        (`decode_worker.py`); with `page_key` (the page's storage hash), offer its pool-level
+        """Decode the exact KV of `blob` into the flat page `target`, in the codec process
+        (`codec_worker.py`); with `page_key` (the page's storage hash), offer its pool-level
         codes for the reloaded compressed pages (`reloaded.py`)."""
-        keys, values, tiers = DECODE_WORKER.decode(self, blob, key)
+        keys, values, tiers = CODEC_WORKER.decode(self, blob, key)
         kv = self._kv(target)
         kv[0].copy_(keys)
         kv[1].copy_(values)

@@ -1,7 +1,7 @@
-"""A store's pages decode in a child process (`stores/decode_worker.py`), on real demo-model KV:
-the same bits as decoding in the calling thread, a damaged stream's error raised to the caller,
-and a child killed between pages loses nothing (the page decodes in the caller, a new child
-takes the next)."""
+"""A store's pages are coded in a child process (`stores/codec_worker.py`), on real demo-model
+KV: the same bytes and bits as coding in the calling thread, a damaged stream's error raised to
+the caller, and a child killed between pages loses nothing (the page is coded in the caller, a
+new child takes the next)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from tests.stores.test_file_store import _flat_page, _host_pool
 from vericache_sglang.codec import StreamError
-from vericache_sglang.stores.decode_worker import DECODE_WORKER
+from vericache_sglang.stores.codec_worker import CODEC_WORKER
 from vericache_sglang.stores.pages import PageCoder
 
 
@@ -32,11 +32,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
 
 
-def test_the_child_decodes_the_same_bits_as_the_caller(page):
+def test_the_child_codes_the_same_bits_as_the_caller(page):
     coder, blob, flat = page
+    assert coder.encode_page(flat, "page-key") == blob  # `blob` was coded by the child
     here = coder.decode_page(blob, "page-key")
-    there = DECODE_WORKER.decode(coder, blob, "page-key")
-    assert DECODE_WORKER.pid() != os.getpid()
+    there = CODEC_WORKER.decode(coder, blob, "page-key")
+    assert CODEC_WORKER.pid() != os.getpid()
     assert _same(there[0], here[0]) and _same(there[1], here[1])
     assert len(there[2]) == len(here[2]) == 30
     for mine, theirs in zip(here[2], there[2], strict=True):
@@ -52,22 +53,25 @@ def test_a_damaged_stream_raises_in_the_caller(page):
     damaged = bytearray(blob)
     damaged[len(blob) // 2] ^= 0xFF
     with pytest.raises(StreamError, match="corrupted"):
-        DECODE_WORKER.decode(coder, bytes(damaged), "page-key")
+        CODEC_WORKER.decode(coder, bytes(damaged), "page-key")
     with pytest.raises(StreamError):
-        DECODE_WORKER.decode(coder, blob, "another-key")  # digests keyed by the page's key
+        CODEC_WORKER.decode(coder, blob, "another-key")  # digests keyed by the page's key
 
 
 def test_a_killed_child_loses_no_page(page):
     coder, blob, flat = page
-    first = DECODE_WORKER.pid()
-    restarts = DECODE_WORKER.restarts
+    first = CODEC_WORKER.pid()
+    restarts = CODEC_WORKER.restarts
     os.kill(first, signal.SIGKILL)
     os.waitpid(first, 0)
     target = torch.zeros_like(flat)
     coder.decode(blob, "page-key", target)  # decoded in this thread
     assert _same(target, flat)
-    assert DECODE_WORKER.restarts == restarts + 1
+    assert CODEC_WORKER.restarts == restarts + 1
+    os.kill(CODEC_WORKER.pid(), signal.SIGKILL)
+    assert coder.encode(flat, "page-key") == blob  # coded in this thread
+    assert CODEC_WORKER.restarts == restarts + 2
     target.zero_()
     coder.decode(blob, "page-key", target)  # by a new child
     assert _same(target, flat)
-    assert DECODE_WORKER.pid() not in (first, os.getpid())
+    assert CODEC_WORKER.pid() not in (first, os.getpid())

@@ -1,0 +1,157 @@
+"""Page coding in a child process, so a store's reads and writes do not wait on the scheduler's GIL.
+
+SGLang runs a storage backend's reads in its prefetch thread and its writes in its backup
+thread, both inside the scheduler process. Coding a page's stream is hundreds of short numpy,
+torch and constriction calls, each releasing and taking back the GIL; beside the scheduler's
+loop, which keeps polling while a request waits for its prefetch, every take-back waits. A
+64-token float32 page that decodes in about 0.1 s alone took 0.47 s per page inside a server
+(`python -m bench.remote_prefix`, store reads column), and 21 s beside a thread spinning in pure
+Python. One child process codes instead: spawned (no CUDA context, none of the scheduler's
+state), one torch thread, a pipe each way, tensors crossing as bytes. If the child dies, the page
+is coded in the calling thread and a new child started for the next: slower, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from vericache_sglang.compress.quant import QuantTier
+
+logger = logging.getLogger(__name__)
+
+Wire = tuple[bytes, str, tuple[int, ...]]
+"""A tensor as (raw bytes, dtype name, shape): plain bytes cross the process boundary without
+torch's shared-memory reductions."""
+
+Decoded = tuple[torch.Tensor, torch.Tensor, list[QuantTier]]
+"""A page's exact keys and values [L, page, H, D], and its pool-level codes per layer."""
+
+
+class PageCodec(Protocol):
+    """What the child needs of a store's coder (`pages.PageCoder`, pickled to it)."""
+
+    def encode_page(self, flat: torch.Tensor, key: str) -> bytes: ...
+
+    def decode_page(self, blob: bytes | memoryview, key: str) -> Decoded: ...
+
+
+def to_wire(tensor: torch.Tensor) -> Wire:
+    raw = tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
+    return raw, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+
+def from_wire(wire: Wire) -> torch.Tensor:
+    """Built in numpy, with one torch call (two for bfloat16, which numpy lacks): a torch call
+    releases the GIL and, beside a busy scheduler, waits to take it back."""
+    raw, dtype, shape = wire
+    if dtype == "bfloat16":
+        array = np.frombuffer(bytearray(raw), dtype=np.int16).reshape(shape)
+        return torch.from_numpy(array).view(torch.bfloat16)
+    return torch.from_numpy(np.frombuffer(bytearray(raw), dtype=dtype).reshape(shape))
+
+
+def _encode(coder: PageCodec, flat: Wire, key: str) -> bytes:
+    return coder.encode_page(from_wire(flat), key)
+
+
+def _decode(coder: PageCodec, blob: bytes, key: str) -> tuple[Wire, Wire, list]:
+    keys, values, tiers = coder.decode_page(blob, key)
+    return to_wire(keys), to_wire(values), [
+        (tier.bits, [to_wire(t) for t in tier.tensors()]) for tier in tiers]
+
+
+def _serve(conn: Connection) -> None:
+    """The child: run what arrives until the pipe closes. One torch thread: the scheduler's
+    process keeps the other core."""
+    torch.set_num_threads(1)
+    while True:
+        try:
+            job, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, job(*args)))
+        except Exception as error:  # noqa: BLE001 - raised in the caller (a StreamError)
+            conn.send((False, error))
+
+
+class _ChildGone(RuntimeError):
+    """The child died before answering."""
+
+
+class CodecWorker:
+    """One child process that codes pages, over a pipe: each page is one send and one receive,
+    which wait without the GIL (an executor's feeder and result threads would each need it, and
+    wait for it beside a busy scheduler)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._child: multiprocessing.process.BaseProcess | None = None
+        self.restarts = 0
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            context = multiprocessing.get_context("spawn")
+            self._conn, child_conn = context.Pipe()
+            self._child = context.Process(target=_serve, args=(child_conn,), daemon=True,
+                                          name="vericache-page-codec")
+            self._child.start()
+            child_conn.close()
+        return self._conn
+
+    def start(self) -> None:
+        """Spawn the child now (its imports take a second or two, the first page's wait)."""
+        with self._lock:
+            self._connection()
+
+    def _run(self, job: Callable[..., Any], *args: Any) -> Any:
+        """`job(*args)` in the child. An exception the job raises (a `StreamError`) is raised
+        here; `_ChildGone` if the child died, after which the next call starts a new one."""
+        with self._lock:
+            try:
+                conn = self._connection()
+                conn.send((job, args))
+                ok, result = conn.recv()
+            except (EOFError, OSError):
+                self._conn = None
+                self.restarts += 1
+                logger.warning("VeriCache: the page codec process died; this page is coded in "
+                               "the store's thread and a new process started for the next")
+                raise _ChildGone from None
+        if not ok:
+            raise result
+        return result
+
+    def encode(self, coder: PageCodec, flat: torch.Tensor, key: str) -> bytes:
+        """`coder.encode_page(flat, key)`, run in the child."""
+        try:
+            return self._run(_encode, coder, to_wire(flat), key)
+        except _ChildGone:
+            return coder.encode_page(flat, key)
+
+    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str) -> Decoded:
+        """`coder.decode_page(blob, key)`, run in the child."""
+        try:
+            keys, values, tiers = self._run(_decode, coder, bytes(blob), key)
+        except _ChildGone:
+            return coder.decode_page(blob, key)
+        return from_wire(keys), from_wire(values), [
+            QuantTier(bits, *(from_wire(t) for t in tensors)) for bits, tensors in tiers]
+
+    def pid(self) -> int:
+        """The child's process id."""
+        with self._lock:
+            self._connection()
+            return self._child.pid
+
+
+CODEC_WORKER = CodecWorker()
