@@ -6,8 +6,9 @@ torch and constriction calls, each releasing and taking back the GIL; beside the
 loop, which keeps polling while a request waits for its prefetch, every take-back waits. A
 64-token float32 page that decodes in about 0.1 s alone took 0.47 s per page inside a server
 (`python -m bench.remote_prefix`, store reads column), and 21 s beside a thread spinning in pure
-Python. One child process codes instead: spawned (no CUDA context, none of the scheduler's
-state), one torch thread, a pipe each way, tensors crossing as bytes. If the child dies, the page
+Python. One child process codes instead: a fresh interpreter running this module (no CUDA
+context, none of the scheduler's state or imports), one torch thread, a pipe, tensors crossing
+as bytes; it exits when the pipe closes, with its parent. If the child dies, the page
 is coded in the calling thread and a new child started for the next: slower, never lost.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -95,16 +98,17 @@ class CodecWorker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._conn: Connection | None = None
-        self._child: multiprocessing.process.BaseProcess | None = None
+        self._child: subprocess.Popen | None = None
         self.restarts = 0
 
     def _connection(self) -> Connection:
         if self._conn is None:
-            context = multiprocessing.get_context("spawn")
-            self._conn, child_conn = context.Pipe()
-            self._child = context.Process(target=_serve, args=(child_conn,), daemon=True,
-                                          name="vericache-page-codec")
-            self._child.start()
+            # `python -m` this module, not multiprocessing's spawn: a spawned child re-imports
+            # the parent's main module (SGLang's launcher: 0.3 GB more of imports)
+            self._conn, child_conn = multiprocessing.Pipe()
+            fd = child_conn.fileno()
+            self._child = subprocess.Popen([sys.executable, "-m", __name__, str(fd)],
+                                           pass_fds=(fd,))
             child_conn.close()
         return self._conn
 
@@ -155,3 +159,6 @@ class CodecWorker:
 
 
 CODEC_WORKER = CodecWorker()
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))
