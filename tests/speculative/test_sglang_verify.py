@@ -52,7 +52,9 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
                                                                              hf_reference):
     """Two code prompts past the compressed tier's recent window (the drafts read 2-bit pages,
     so some are rejected), greedy, batched: VeriCache verifies through SGLang's Triton backend
-    (`/server_info` says which) and emits plain SGLang's tokens on the same backend."""
+    with the full KV in the device pool, and through SGLang's Triton extend kernel over the
+    staging units with the full KV in host memory (`/server_info` says which); both emit plain
+    SGLang's tokens on the same backend."""
     from concurrent.futures import ThreadPoolExecutor
 
     tokenizer = hf_reference.tokenizer
@@ -61,23 +63,29 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
     payloads = [{"input_ids": ids, "sampling_params": {
         "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}} for ids in prompts]
     env = {"TRITON_INTERPRET": "1"}
+    vericache = ["--enable-vericache", "--vericache-compressor", "kivi:bits=2",
+                 "--vericache-drafter", "none", "--vericache-min-draft-length", "4",
+                 "--vericache-draft-length", "8"]
+    servers = {"plain": ([], None),
+               "device": ([*vericache, "--vericache-full-tier", "device"], "TritonAttnBackend"),
+               "host": ([*vericache, "--vericache-full-tier", "host"],
+                        "StagedFullKVAttnBackend (SGLang's Triton extend kernel)")}
     outputs = {}
-    for name, extra in (("plain", []), ("vericache", [
-            "--enable-vericache", "--vericache-compressor", "kivi:bits=2", "--vericache-full-tier",
-            "device", "--vericache-drafter", "none", "--vericache-min-draft-length", "4",
-            "--vericache-draft-length", "8"])):
+    for name, (extra, verify_backend) in servers.items():
         with ServerProcess(demo_model, [*TRITON_SERVER_ARGS, *extra], env=env) as server:
             with ThreadPoolExecutor(len(payloads)) as pool:
                 outputs[name] = list(pool.map(server.generate, payloads))
-            if name == "vericache":
+            if verify_backend is not None:
                 memory = server.server_info()["vericache"]["memory"]
-    assert memory["verify_backend"] == "TritonAttnBackend"
-    for plain, vericache in zip(outputs["plain"], outputs["vericache"], strict=True):
-        assert len(plain["output_ids"]) == NEW_TOKENS
-        assert vericache["output_ids"] == plain["output_ids"]
-        rounds = vericache["meta_info"]["spec_verify_ct"]
-        print(f"\n[triton verify] {rounds} verifications for {NEW_TOKENS} tokens")
-        assert 0 < rounds < NEW_TOKENS
+                assert memory["verify_backend"] == verify_backend
+    for name in ("device", "host"):
+        for plain, served in zip(outputs["plain"], outputs[name], strict=True):
+            assert len(plain["output_ids"]) == NEW_TOKENS
+            assert served["output_ids"] == plain["output_ids"]
+            rounds = served["meta_info"]["spec_verify_ct"]
+            print(f"\n[triton verify, {name} full tier] {rounds} verifications for "
+                  f"{NEW_TOKENS} tokens")
+            assert 0 < rounds < NEW_TOKENS
 
 
 @pytest.fixture(scope="module")

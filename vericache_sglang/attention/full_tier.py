@@ -20,6 +20,7 @@ drafts reach neither tier.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -44,12 +45,15 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
         self.observer = observer
         self.triton_verify = triton_verify
         self._fetch: Fetch | None = None
+        self._reads: dict[tuple[int, ...], VerifyPlan | TritonReads] = {}
+        """The verify forward's reads per unit group, the same at every layer."""
         self._chain: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- planning -------------------------------------------------------------------------------
     def prefetch(self, req_slots: list[int], prefix_lens: list[int], new_tokens: int) -> None:
         """Start staging a forward's full KV ahead of it (verification: when drafting starts)."""
         self.finish()
+        self._reads.clear()
         req_to_token = self.req_to_token_pool.req_to_token
         rows = [req_to_token[slot, :n] for slot, n in zip(req_slots, prefix_lens, strict=True)]
         self._fetch = self.staging.start(self.staging.plan(rows, [new_tokens] * len(rows)))
@@ -94,12 +98,11 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
             self._chain[layer.layer_id] = (k_, v_)
             for unit, local, (a, b) in self._units(layer, k_, v_, lambda _: width):
                 rows = slice(a * width, b * width)
-                if self.triton_verify:
-                    _triton_verify(q_[rows], k_[rows], v_[rows], o_[rows], unit, width, layer)
-                    continue
-                plan = VerifyPlan.of(local, torch.arange(len(local), device=local.device),
-                                     torch.tensor(unit.prefix), max(unit.prefix), width)
-                o_[rows] = plan.attend(q_[rows], unit.k, unit.v, layer)
+                reads = self._unit_reads(unit, local, width)
+                if isinstance(reads, TritonReads):
+                    reads.attend(q_[rows], k_[rows], v_[rows], o_[rows], unit, layer)
+                else:
+                    o_[rows] = reads.attend(q_[rows], unit.k, unit.v, layer)
         else:
             if save_kv_cache:
                 self._write(layer, forward_batch.out_cache_loc, k, v)
@@ -149,6 +152,18 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
         return storage_bytes([t for pair in self._chain.values() for t in pair])
 
     # -- internals ------------------------------------------------------------------------------
+    def _unit_reads(self, unit: Unit, local: torch.Tensor,
+                    width: int) -> VerifyPlan | TritonReads:
+        """What a verify unit's attention reads: built at the forward's first layer, since
+        every layer groups the requests alike."""
+        group = tuple(unit.requests)
+        if group not in self._reads:
+            self._reads[group] = (
+                TritonReads.of(unit, width) if self.triton_verify else
+                VerifyPlan.of(local, torch.arange(len(local), device=local.device),
+                              torch.tensor(unit.prefix), max(unit.prefix), width))
+        return self._reads[group]
+
     def _units(self, layer, k: torch.Tensor, v: torch.Tensor, new_of: Callable[[int], int],
                starts: list[int] | None = None) -> Iterator[tuple[Unit, torch.Tensor,
                                                                    tuple[int, int]]]:
@@ -182,24 +197,37 @@ class StagedFullKVAttnBackend(VerifyAttnBackend):
                                             k, v)
 
 
-def _triton_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   unit: Unit, width: int, layer) -> None:
-    """SGLang's Triton extend kernel over one staging unit: each request's `width` chain
-    queries attend to its staged prefix (by index into the unit) and, causally, its chain
-    (`k`, `v`); writes `o`. The arguments are the ones Triton's TARGET_VERIFY passes with
-    `custom_mask=None`, with the unit's buffers in place of the pool's."""
-    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+@dataclass(frozen=True)
+class TritonReads:
+    """A verify unit's reads for SGLang's Triton extend kernel: each request's `width` chain
+    queries over its staged prefix, by index into the unit, and causally its chain. The
+    arguments Triton's TARGET_VERIFY passes with `custom_mask=None`, with the unit's buffers in
+    place of the pool's."""
 
-    device = unit.k.device
-    prefix = torch.tensor(unit.prefix, dtype=torch.int32)
-    kv_indptr = torch.zeros(len(unit.prefix) + 1, dtype=torch.int32)
-    kv_indptr[1:] = prefix.cumsum(0)
-    kv_indices = torch.cat([torch.arange(start, start + n) for start, n in
-                            zip(unit.starts, unit.prefix, strict=True)])
-    qo_indptr = torch.arange(len(unit.prefix) + 1, dtype=torch.int32) * width
-    extend_attention_fwd(q, k, v, o, unit.k, unit.v, qo_indptr.to(device), kv_indptr.to(device),
-                         kv_indices.to(device), None, True, None, width, 1.0, 1.0,
-                         sm_scale=layer.scaling)
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    width: int
+
+    @classmethod
+    def of(cls, unit: Unit, width: int) -> TritonReads:
+        device = unit.k.device
+        prefix = torch.tensor(unit.prefix, dtype=torch.int32)
+        kv_indptr = torch.zeros(len(unit.prefix) + 1, dtype=torch.int32)
+        kv_indptr[1:] = prefix.cumsum(0)
+        kv_indices = torch.cat([torch.arange(start, start + n) for start, n in
+                                zip(unit.starts, unit.prefix, strict=True)])
+        qo_indptr = torch.arange(len(unit.prefix) + 1, dtype=torch.int32) * width
+        return cls(qo_indptr.to(device), kv_indptr.to(device), kv_indices.to(device), width)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               unit: Unit, layer) -> None:
+        """Writes `o` for the unit's chains (`q`, `k`, `v`: theirs, request after request)."""
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+        extend_attention_fwd(q, k, v, o, unit.k, unit.v, self.qo_indptr, self.kv_indptr,
+                             self.kv_indices, None, True, None, self.width, 1.0, 1.0,
+                             sm_scale=layer.scaling)
 
 
 def _cpu_list(cpu: torch.Tensor | list | None, fallback: torch.Tensor) -> list[int]:

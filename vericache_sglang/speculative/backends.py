@@ -71,13 +71,13 @@ class RoundBackends:
         # With the full KV in host memory: the backend of every forward over the full KV
         # (prefill, verification, plain decode).
         self.full: StagedFullKVAttnBackend | None = None
+        decode_backend = getattr(runner, "decode_attention_backend_str", None)
         if self.staging is not None:
             observer = self.draft.observe_prompt if compressor.needs_scores else None
-            self.full = StagedFullKVAttnBackend(
-                runner, self.staging, observer,
-                triton_verify=getattr(runner, "decode_attention_backend_str", None) == "triton")
+            self.full = StagedFullKVAttnBackend(runner, self.staging, observer,
+                                                triton_verify=decode_backend == "triton")
             self.verify = self.full
-        elif verifies_natively(getattr(runner, "decode_attention_backend_str", None), placement):
+        elif verifies_natively(decode_backend, placement):
             self.verify = runner.attn_backend
         else:
             self.verify = VerifyAttnBackend(runner)
