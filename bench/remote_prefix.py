@@ -1,48 +1,68 @@
-"""A stored prefix behind an emulated link: time to the first and the n-th token, and bytes over
-the link, for plain SGLang recomputing, plain SGLang's HiCache fetching the full KV, and
-VeriCache fetching its coded pages (not a test).
+"""A stored prefix behind an emulated link: time to the first, the n-th and the last token, and
+bytes over the link per request, for plain SGLang recomputing, plain SGLang's HiCache fetching
+the full KV, and VeriCache fetching its coded pages (not a test).
 
 The link is emulation (`stores/shaped_link.py`): a network namespace whose loopback caps the
-Mooncake store's data ports at `--rate-mbit`; the store, the servers and this script's client
-all run inside it. For each configuration that reads the store, server A answers the prefix
-alone and stops once its pages are stored; server B, started afterwards on the same store,
-answers the prefix plus a question, streamed: the times are B's, from sending the request, and
-the bytes are what crossed the shaped link while B answered (`tc -s class show`). Plain SGLang
-without a store answers the same request: every output must equal it.
+Mooncake store's data ports at a set rate; the store, the servers and this script's client all
+run inside it. One server runs at a time (each is ~5 GB on CPU). For each configuration that
+reads the store, server A answers every prefix the timed requests will use with one token and
+stops once their pages are stored; server B, started afterwards on the same store, answers the
+timed requests, streamed, at each rate of `--rates-mbit` in turn (the shaped class's rate is
+changed in place, `tc class change`) and each batch size of `--batch`: batch n sends n requests
+at once, each a different stored prefix plus the same 60-token question, so none finds another's
+pages in B's host cache, and every (rate, batch) cell has prefixes of its own, since B keeps
+what it read. The times are per request, from sending it; the bytes are what crossed the shaped
+class while the batch ran (`tc -s class show`), divided by n. Plain SGLang without a store
+answers the same requests: every output is compared with its output, token for token.
 
-Every server B first answers a long prompt nobody stored and a short one A stored, as a server
-that has been serving would have: `vericache-auto` (`--vericache-store-reads auto`) has then
-measured its read and prefill rates, and recomputes the stored prefix when reading it is the
-slower. The timed request starts once B has stored the first prompt's pages, so its time and
-link bytes are its own. What this measures today is VeriCache as built: a request whose prefix
-is read waits for all of its pages, as SGLang's prefetch does (issue 27 builds drafting on the
-compressed pages while the exact KV still arrives).
+Every server B first answers a long prompt nobody stored and, at each rate before that rate's
+requests, a short one A stored, as a server that has been serving would have:
+`vericache-auto` (`--vericache-store-reads auto`) has then measured its read and prefill rates
+on this link, and recomputes the stored prefix when reading it is the slower. Timed requests
+start once B's own backups have been stored, so their time and link bytes are their own. What
+this measures today is VeriCache as built: a request whose prefix is read waits for all of its
+pages, as SGLang's prefetch does (issue 27 builds drafting on the compressed pages while the
+exact KV still arrives).
 
-    python -m bench.remote_prefix --prefix-tokens 3200 --rate-mbit 200 --new-tokens 64
+    python -m bench.remote_prefix --prefix-tokens 3200 --rates-mbit 200 --new-tokens 64
+
+Issue 27's matrix (6,000-token prefix, 1 Gbit/s and 200 Mbit/s, 128 and 256 tokens from the
+same runs, batch 1 and 4), once per dtype:
+
+    python -m bench.remote_prefix --prefix-tokens 6000 --rates-mbit 1000 200 --batch 1 4 \\
+        --new-tokens 256 --mark-token 128 --configs recompute hicache vericache \\
+        --dtype float32 --json remote_prefix_float32.json
+    (and the same with --dtype bfloat16 --json remote_prefix_bfloat16.json)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import requests
 from transformers import AutoTokenizer
 
 from bench import cli, serving
-from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.prompts import PromptTooShortError, stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.stores.mooncake_service import MooncakeService, mooncake_unavailable_reason
 from vericache_sglang.stores.shaped_link import ShapedLink, shaping_unavailable_reason
 
 PAGE_SIZE = 64
 DEVICE_TOKENS = 8192
-BASE_ARGS = [*serving.COMMON, "--page-size", str(PAGE_SIZE)]
+QUESTION_TOKENS = 60
+UNSTORED_TOKENS = 2000
+STORED_TOKENS = 640
 STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "1",
               "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
@@ -54,6 +74,67 @@ CONFIGS = {
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
 
+PREFIX_MODULES = ("inspect", "typing", "_pydecimal", "tkinter", "turtle", "pydoc", "tarfile",
+                  "email._header_value_parser", "doctest", "unittest.mock", "zipfile", "argparse")
+"""Where the stored prefixes come from: large stdlib modules, cut into windows of the prefix's
+length from token 100 on (difflib, heapq and bisect give the warm-ups and the question)."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SERVER_BYTES = 8 << 30
+"""About what one CPU server takes at the issue's sizes (~5 GB, plus its device and host KV
+pools of `pool_tokens`)."""
+SEGMENT_FILL = 0.8
+"""The share of the store's segment the estimate may fill: past 90% Mooncake evicts."""
+
+
+def base_args(dtype: str) -> list[str]:
+    """`serving.COMMON` with its dtype replaced (it names float32), and pages of PAGE_SIZE."""
+    common = list(serving.COMMON)
+    common[common.index("--dtype") + 1] = dtype
+    return [*common, "--page-size", str(PAGE_SIZE)]
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    """The model's full KV per token (all layers, K and V) at `dtype`, from its config.json."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return (config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+            * DTYPE_BYTES[dtype])
+
+
+def prefixes_needed(args: argparse.Namespace) -> int:
+    """Stored prefixes the timed requests use: a fresh set per (rate, batch) cell."""
+    return len(args.rates_mbit) * sum(args.batch)
+
+
+def store_bytes_needed(args: argparse.Namespace, kv_bytes: int) -> int:
+    """What the store ends up holding: every configuration's pages of every prompt it sees
+    (A's prefixes and warm-ups, B's long warm-up, the timed requests' questions and answers),
+    at the full KV's size (VeriCache's coded pages are smaller; this is an upper bound)."""
+    tokens = (prefixes_needed(args) * (args.prefix_tokens + QUESTION_TOKENS + args.new_tokens)
+              + UNSTORED_TOKENS + len(args.rates_mbit) * STORED_TOKENS)
+    stores = sum(CONFIGS[name] is not None for name in args.configs)
+    return stores * (tokens + PAGE_SIZE * prefixes_needed(args)) * kv_bytes
+
+
+def pool_tokens(args: argparse.Namespace) -> int:
+    """Each server's KV pool (device, and host at ratio 1): the largest batch at once, so no
+    request waits for another's pages to leave."""
+    pages = math.ceil((args.prefix_tokens + QUESTION_TOKENS + args.new_tokens) / PAGE_SIZE) + 1
+    return max(DEVICE_TOKENS, max(args.batch) * pages * PAGE_SIZE + 2048)
+
+
+def prefix_windows(tokenizer, tokens: int) -> Iterator[list[int]]:
+    """Distinct `tokens`-long prefixes: PREFIX_MODULES' sources cut into windows."""
+    for module in PREFIX_MODULES:
+        start = 100
+        while True:
+            try:
+                yield stdlib_ids(tokenizer, module, tokens, start=start)
+            except PromptTooShortError:
+                break
+            start += tokens
+
 
 def link_bytes() -> int:
     """Bytes the shaped class has sent (this process runs inside the link's namespace)."""
@@ -62,8 +143,18 @@ def link_bytes() -> int:
     return int(re.search(r"Sent (\d+) bytes", shown).group(1))
 
 
-def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int) -> dict:
-    """Stream one greedy request; the seconds to each emitted token count, and the output."""
+def set_rate(rate_mbit: float) -> None:
+    """Change the shaped class's rate in place, as `ShapedLink` made it (bursts included), so
+    the servers keep running while the link changes (this process runs inside its namespace)."""
+    subprocess.run(["tc", "class", "change", "dev", "lo", "parent", "1:", "classid", "1:10",
+                    "htb", "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit",
+                    "burst", "128k", "cburst", "128k"], capture_output=True, text=True,
+                   check=True)
+
+
+def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: int) -> dict:
+    """Stream one greedy request: seconds to the first emitted token, to the `mark`-th (None
+    if fewer came) and to the last, and the output."""
     request = {**serving.request(ids, new_tokens), "stream": True}
     began = time.monotonic()
     response = requests.post(f"{server.url}/generate", json=request, stream=True, timeout=1800)
@@ -74,14 +165,16 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int) -> dict
         if line.startswith(b"data: {"):
             last = json.loads(line[len(b"data: "):])
             at.setdefault(len(last["output_ids"]), time.monotonic() - began)
+    reached = [seconds for count, seconds in at.items() if count >= mark]
     return {"output_ids": last["output_ids"], "first_s": min(at.values()),
-            "last_s": max(at.values()),
-            "cached": last["meta_info"].get("cached_tokens_details") or {}}
+            "mark_s": min(reached) if reached else None, "last_s": max(at.values()),
+            "storage_hit": (last["meta_info"].get("cached_tokens_details") or {})
+            .get("storage", 0)}
 
 
 STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds")
-"""VeriCache's store counters of the timed request: pages read, their bytes, and the seconds
-the store's reads took (transfer and decode, in SGLang's prefetch thread)."""
+"""VeriCache's store counters of a timed batch: pages read, their bytes, and the seconds the
+store's reads took (transfer and decode, in SGLang's prefetch thread)."""
 
 
 def store_io(server: ServerProcess) -> dict:
@@ -90,93 +183,187 @@ def store_io(server: ServerProcess) -> dict:
     return states[0].get("vericache_state", {}).get("store_io", {})
 
 
-def warm_up(server: ServerProcess, unstored: list[int], stored: list[int]) -> None:
-    """A long prefill, then a prompt whose pages are stored (read, where the server reads)."""
-    for ids in (unstored, stored):
-        server.generate(serving.request(ids, 1))
+def _mean(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
+def timed_batch(server: ServerProcess, prompts: list[list[int]],
+                args: argparse.Namespace) -> tuple[dict, list[list[int]]]:
+    """The prompts sent at once: each request's times, their means, the link bytes per request
+    (the batch's, divided by its size) and VeriCache's store reads; and the outputs."""
+    sent, io = link_bytes(), store_io(server)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda ids: timed_stream(server, ids, args.new_tokens,
+                                                         args.mark_token), prompts))
+    moved = link_bytes() - sent
+    after = store_io(server)
+    outputs = [answer.pop("output_ids") for answer in answers]
+    row = {key: _mean([a[key] for a in answers]) for key in ("first_s", "mark_s", "last_s",
+                                                              "storage_hit")}
+    row |= {"requests": answers, "link_bytes": moved,
+            "link_bytes_per_request": moved / len(prompts),
+            "store_read": {key: after.get(key, 0) - io.get(key, 0) for key in STORE_READ_KEYS}}
+    return row, outputs
 
 
 def run_inside(args: argparse.Namespace) -> dict:
     """The measurement, in the link's namespace."""
     target = cli.model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prefix = stdlib_ids(tokenizer, "inspect", args.prefix_tokens, start=100)
-    question = prefix + stdlib_ids(tokenizer, "bisect", 60, start=300)
-    # Before the timed request every server B answers a long prompt nobody stored and one
-    # A stored: a server that has been serving, whose rates (`--vericache-store-reads auto`)
-    # are measured.
-    unstored = stdlib_ids(tokenizer, "difflib", 2000, start=0)
-    stored = stdlib_ids(tokenizer, "heapq", 640, start=0)
-    results: dict[str, dict] = {}
+    question = stdlib_ids(tokenizer, "bisect", QUESTION_TOKENS, start=300)
+    windows = prefix_windows(tokenizer, args.prefix_tokens)
+    cells = [(rate, batch) for rate in args.rates_mbit for batch in args.batch]
+    prefixes: dict[tuple[float, int], list[list[int]]] = {}
+    for cell in cells:
+        try:
+            prefixes[cell] = [next(windows) for _ in range(cell[1])]
+        except StopIteration:
+            raise SystemExit(f"the stdlib modules give fewer than {prefixes_needed(args)} "
+                             f"distinct {args.prefix_tokens}-token prefixes") from None
+    # Before its timed requests every server B answers a long prompt nobody stored, and at
+    # each rate one A stored: a server that has been serving on this link, whose rates
+    # (`--vericache-store-reads auto`) are measured.
+    unstored = stdlib_ids(tokenizer, "difflib", UNSTORED_TOKENS, start=0)
+    stored = {rate: stdlib_ids(tokenizer, "heapq", STORED_TOKENS, start=i * STORED_TOKENS)
+              for i, rate in enumerate(args.rates_mbit)}
+    server_base = base_args(args.dtype)
+    tokens = pool_tokens(args)
+    rows: list[dict] = []
+    outputs: dict[tuple[str, float, int], list[list[int]]] = {}
     with MooncakeService(segment_size=args.segment_mib << 20) as store:
         for name in args.configs:
             flags = CONFIGS[name]
-            print(f"[{name}]", flush=True)
-            if flags is None:
-                with ServerProcess(target, BASE_ARGS, max_total_tokens=DEVICE_TOKENS) as server:
-                    warm_up(server, unstored, stored)
-                    results[name] = timed_stream(server, question, args.new_tokens)
-                results[name]["link_bytes"] = 0
-                continue
-            server_args = [*BASE_ARGS, *STORE_ARGS, *flags,
-                           *store.server_args(extra_backend_tag=name)]
-            with ServerProcess(target, server_args, max_total_tokens=DEVICE_TOKENS,
-                               env=store.env()) as a:
-                keys = store.wait_keys(0)
-                a.generate(serving.request(prefix, 1))
-                a.generate(serving.request(stored, 1))
-                store.wait_keys(keys + 1, timeout=900, settle=5.0)
-            with ServerProcess(target, server_args, max_total_tokens=DEVICE_TOKENS,
-                               env=store.env()) as b:
-                keys = store.wait_keys(0)
-                warm_up(b, unstored, stored)
-                # B writes the unstored prompt's pages behind its answer: wait for them, so
-                # the timed request's time and bytes are its own
-                store.wait_keys(keys + 1, timeout=900, settle=5.0)
-                sent, io = link_bytes(), store_io(b)
-                results[name] = timed_stream(b, question, args.new_tokens)
-                results[name]["link_bytes"] = link_bytes() - sent
-                after = store_io(b)
-                results[name]["store_read"] = {key: after.get(key, 0) - io.get(key, 0)
-                                               for key in STORE_READ_KEYS}
-    reference = results.get("recompute", {}).get("output_ids")
-    for result in results.values():
-        output = result.pop("output_ids")
-        result["identical"] = None if reference is None else output == reference
-    return results
+            reads_store = flags is not None
+            server_args, env = server_base, None
+            if reads_store:
+                server_args = [*server_base, *STORE_ARGS, *flags,
+                               *store.server_args(extra_backend_tag=name)]
+                env = store.env()
+            if reads_store:
+                # A's backups cross the link too: at the fastest rate, since they are not timed
+                set_rate(max(args.rates_mbit))
+                cli.log(f"[{name}] server A stores {prefixes_needed(args)} prefixes")
+                with ServerProcess(target, server_args, max_total_tokens=tokens,
+                                   env=env) as a:
+                    for group in [*prefixes.values(), list(stored.values())]:
+                        keys = store.wait_keys(0)
+                        for ids in group:
+                            a.generate(serving.request(ids, 1))
+                        store.wait_keys(keys + len(group), timeout=900, settle=5.0)
+            cli.log(f"[{name}] server B")
+            with ServerProcess(target, server_args, max_total_tokens=tokens, env=env) as b:
+                b.generate(serving.request(unstored, 1))
+                for rate in args.rates_mbit:
+                    set_rate(rate)
+                    b.generate(serving.request(stored[rate], 1))
+                    for batch in args.batch:
+                        if reads_store:
+                            # B writes its pages behind its answers: wait for them, so the
+                            # timed requests' times and bytes are their own
+                            store.wait_keys(0, timeout=900, settle=5.0)
+                        prompts = [prefix + question for prefix in prefixes[(rate, batch)]]
+                        row, outputs[(name, rate, batch)] = timed_batch(b, prompts, args)
+                        rows.append({"rate_mbit": rate, "batch": batch, "config": name, **row})
+                        cli.log(f"[{name}] {rate:g} Mbit/s, batch {batch}: "
+                                f"last token {row['last_s']:.1f} s, "
+                                f"{row['link_bytes_per_request'] / 1e6:.1f} MB/request")
+    identical: dict[str, list[int]] = {}
+    for row in rows:
+        got = outputs[(row["config"], row["rate_mbit"], row["batch"])]
+        reference = outputs.get(("recompute", row["rate_mbit"], row["batch"]))
+        row["compared"] = len(got)
+        row["identical"] = (None if reference is None
+                            else sum(a == b for a, b in zip(got, reference, strict=True)))
+        if row["identical"] is not None:
+            counts = identical.setdefault(row["config"], [0, 0])
+            counts[0] += row["identical"]
+            counts[1] += len(got)
+    return {"rows": rows, "identical": identical, "kv_bytes_per_token":
+            kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens}
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _table(results: dict, args: argparse.Namespace) -> str:
-    base = results.get("hicache", next(iter(results.values())))
-    rows = [f"Emulated link: {args.rate_mbit} Mbit/s on the store's data ports; "
-            f"{args.prefix_tokens}-token stored prefix + 60-token question, "
-            f"{args.new_tokens} greedy tokens, float32 demo model, one run.", "",
-            "| server | first token s | last token s | last / HiCache | link MB | "
-            "storage hit | store reads s (pages) | identical |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in results.items():
+    rows = results["rows"]
+    cell = {(r["rate_mbit"], r["batch"], r["config"]): r for r in rows}
+    mark = ordinal(args.mark_token)
+    rates = " and ".join(f"{rate:g}" for rate in args.rates_mbit)
+    lines = [f"Emulated link (tc htb on the store's data ports inside a network namespace, not "
+             f"a real network): {rates} Mbit/s. Per request a different stored "
+             f"{args.prefix_tokens}-token prefix + {QUESTION_TOKENS}-token question, "
+             f"{args.new_tokens} greedy tokens; {args.dtype} demo model; one run. Times are "
+             f"means over the batch's requests, from sending them; link MB = the bytes over "
+             f"the link while the batch ran / batch size; storage hit per request; store "
+             f"reads for the whole batch.", "",
+             f"| link Mbit/s | batch | server | first token s | {mark} token s | last token s "
+             f"| {mark} / HiCache | {mark} / recompute | link MB / request | link / HiCache "
+             f"| storage hit | store reads s (pages) | identical |",
+             "| --- " * 13 + "|"]
+    for r in rows:
+        hicache = cell.get((r["rate_mbit"], r["batch"], "hicache"))
+        recompute = cell.get((r["rate_mbit"], r["batch"], "recompute"))
         read = r.get("store_read") or {}
         reads = (f"{read['read_codec_seconds']:.1f} ({read['read_coded_pages']})"
                  if read.get("read_coded_pages") else "-")
-        rows.append(f"| {name} | {r['first_s']:.1f} | {r['last_s']:.1f} | "
-                    f"{r['last_s'] / base['last_s']:.2f}x | {r['link_bytes'] / 1e6:.1f} | "
-                    f"{r['cached'].get('storage', 0)} | {reads} | {r['identical']} |")
-    return "\n".join(rows)
+        same = "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}"
+        lines.append(
+            f"| {r['rate_mbit']:g} | {r['batch']} | {r['config']} | {_seconds(r['first_s'])} | "
+            f"{_seconds(r['mark_s'])} | {_seconds(r['last_s'])} | "
+            f"{_ratio(r['mark_s'], hicache and hicache['mark_s'])} | "
+            f"{_ratio(r['mark_s'], recompute and recompute['mark_s'])} | "
+            f"{r['link_bytes_per_request'] / 1e6:.1f} | "
+            f"{_ratio(r['link_bytes_per_request'], hicache and hicache['link_bytes_per_request'])}"
+            f" | {r['storage_hit']:.0f} | {reads} | {same} |")
+    if results["identical"]:
+        lines += ["", "Identical to recompute, all cells: " + ", ".join(
+            f"{name} {k}/{n}" for name, (k, n) in results["identical"].items()) + "."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("bench.remote_prefix", __doc__)
     cli.add_model(parser)
     parser.add_argument("--prefix-tokens", type=int, default=3200)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rate-mbit", type=float, default=200.0)
+    parser.add_argument("--new-tokens", type=int, default=64, help="max tokens per request")
+    parser.add_argument("--mark-token", type=int, default=128,
+                        help="also time the output reaching this many tokens (capped at "
+                             "--new-tokens)")
+    parser.add_argument("--rates-mbit", type=float, nargs="+", default=None,
+                        help="the link's rates, each in turn on the same servers "
+                             "(default: 200)")
+    parser.add_argument("--rate-mbit", type=float, default=None,
+                        help="one rate (the same as --rates-mbit RATE)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1],
+                        help="requests sent at once, each size in turn")
+    parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
+                        help="every server's dtype (float32: where VeriCache's output must "
+                             "equal plain SGLang's)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="what to run (recompute is the reference the others must equal)")
-    parser.add_argument("--segment-mib", type=int, default=2048,
-                        help="the store's memory (both configurations' pages live there)")
+    parser.add_argument("--segment-mib", type=int, default=None,
+                        help="the store's memory: every configuration's pages live there "
+                             "(default: the estimate of what they need, / 0.8)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rate_mbit is not None and args.rates_mbit is not None:
+        parser.error("give --rates-mbit or --rate-mbit, not both")
+    args.rates_mbit = args.rates_mbit or [args.rate_mbit or 200.0]
+    if min(args.rates_mbit) <= 0 or min(args.batch) < 1:
+        parser.error("rates must be positive and batch sizes at least 1")
+    args.mark_token = min(args.mark_token, args.new_tokens)
     if args.inside:
         print("RESULTS " + json.dumps(run_inside(args)), flush=True)
         return 0
@@ -184,12 +371,28 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench.remote_prefix cannot run here: {reason}", file=sys.stderr)
         return 2
+    kv_bytes = kv_bytes_per_token(cli.model_dir(args.model), args.dtype)
+    need_mib = math.ceil(store_bytes_needed(args, kv_bytes) / SEGMENT_FILL / (1 << 20))
+    if args.segment_mib is None:
+        args.segment_mib = max(1024, math.ceil(need_mib / 256) * 256)
+    elif args.segment_mib < need_mib:
+        parser.error(f"--segment-mib {args.segment_mib} is too small: the store holds about "
+                     f"{store_bytes_needed(args, kv_bytes) >> 20} MiB of pages here "
+                     f"({kv_bytes} bytes of {args.dtype} KV per token); Mooncake evicts past "
+                     f"90%, so give at least {need_mib} (that / {SEGMENT_FILL})")
+    cli.log(f"store segment {args.segment_mib} MiB; one server at a time")
+    available = psutil.virtual_memory().available
+    if (args.segment_mib << 20) + SERVER_BYTES > available:
+        cli.log(f"warning: the segment and one server (~{SERVER_BYTES >> 30} GiB) may need more "
+                f"than the {available >> 20} MiB of memory available now")
+    began = time.monotonic()
     found: list[str] = []
-    with ShapedLink(args.rate_mbit) as link:
+    with ShapedLink(max(args.rates_mbit)) as link:
         inner = ["--prefix-tokens", str(args.prefix_tokens), "--new-tokens",
-                 str(args.new_tokens), "--rate-mbit", str(args.rate_mbit), "--segment-mib",
-                 str(args.segment_mib), "--configs", *args.configs,
-                 *(["--model", str(args.model)] if args.model else [])]
+                 str(args.new_tokens), "--mark-token", str(args.mark_token), "--rates-mbit",
+                 *map(str, args.rates_mbit), "--batch", *map(str, args.batch), "--dtype",
+                 args.dtype, "--segment-mib", str(args.segment_mib), "--configs",
+                 *args.configs, *(["--model", str(args.model)] if args.model else [])]
         with subprocess.Popen(link.command([sys.executable, "-m", "bench.remote_prefix",
                                             "--inside", *inner]),
                               stdout=subprocess.PIPE, text=True) as child:
@@ -201,10 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     if child.returncode != 0 or not found:
         return child.returncode or 1
     results = json.loads(found[-1][len("RESULTS "):])
+    results["wall_s"] = time.monotonic() - began
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=2))
+        paths = {"json": str(args.json), "model": args.model and str(args.model)}
+        args.json.write_text(json.dumps({"args": vars(args) | paths, "results": results},
+                                        indent=2))
     print(_table(results, args))
+    print(f"\nwall time {results['wall_s'] / 60:.1f} min")
     return 0
 
 
