@@ -88,6 +88,8 @@ def test_size_parsing_for_budgets():
     ({"vericache_full_tier": "device", "vericache_staging_budget": "64MiB"},
      "--vericache-staging-budget sizes the host placement"),
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
+    ({"vericache_store_codec_processes": -1},
+     "--vericache-store-codec-processes must be 0 .one per CPU core. or more, got -1"),
     ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of auto, none, ngram, model"),
     ({"vericache_drafter": "model"}, "--vericache-drafter model needs --vericache-draft-model"),
     ({"vericache_draft_model": "/nonexistent/draft"}, "/nonexistent/draft is not a model dir"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_the_child_codes_the_same_bits_as_the_caller(page):
     assert coder.encode_page(flat, "page-key") == blob  # `blob` was coded by the child
     here = coder.decode_page(blob, "page-key")
     there = CODEC_WORKER.decode(coder, blob, "page-key")
-    assert CODEC_WORKER.pid() != os.getpid()
+    assert os.getpid() not in CODEC_WORKER.pids()
     assert _same(there[0], here[0]) and _same(there[1], here[1])
     assert len(there[2]) == len(here[2]) == 30
     for mine, theirs in zip(here[2], there[2], strict=True):
@@ -60,7 +61,8 @@ def test_a_damaged_stream_raises_in_the_caller(page):
 
 def test_a_killed_child_loses_no_page(page):
     coder, blob, flat = page
-    first = CODEC_WORKER.pid()
+    CODEC_WORKER.resize(1)
+    (first,) = CODEC_WORKER.pids()
     restarts = CODEC_WORKER.restarts
     os.kill(first, signal.SIGKILL)
     os.waitpid(first, 0)
@@ -68,10 +70,28 @@ def test_a_killed_child_loses_no_page(page):
     coder.decode(blob, "page-key", target)  # decoded in this thread
     assert _same(target, flat)
     assert CODEC_WORKER.restarts == restarts + 1
-    os.kill(CODEC_WORKER.pid(), signal.SIGKILL)
+    os.kill(CODEC_WORKER.pids()[0], signal.SIGKILL)
     assert coder.encode(flat, "page-key") == blob  # coded in this thread
     assert CODEC_WORKER.restarts == restarts + 2
     target.zero_()
     coder.decode(blob, "page-key", target)  # by a new child
     assert _same(target, flat)
-    assert CODEC_WORKER.pid() not in (first, os.getpid())
+    assert CODEC_WORKER.pids()[0] not in (first, os.getpid())
+
+
+def test_pages_are_coded_side_by_side_in_separate_children(page):
+    """Two children, four threads decoding and encoding at once: every call gets an idle
+    child of its own, and every result is the page's."""
+    coder, blob, flat = page
+    CODEC_WORKER.resize(2)
+    pids = CODEC_WORKER.pids()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    with ThreadPoolExecutor(4) as threads:
+        decoded = list(threads.map(lambda _: CODEC_WORKER.decode(coder, blob, "page-key"),
+                                   range(4)))
+        encoded = list(threads.map(lambda _: CODEC_WORKER.encode(coder, flat, "page-key"),
+                                   range(4)))
+    keys, values, _ = coder.decode_page(blob, "page-key")
+    assert all(_same(k, keys) and _same(v, values) for k, v, _ in decoded)
+    assert encoded == [blob] * 4
+    assert CODEC_WORKER.pids() == pids  # no child died or was replaced

@@ -18,6 +18,7 @@ servers are up at once.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import requests
 from transformers import AutoTokenizer
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from tests.speculative.identity import send_all
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.stores.mooncake_service import (
@@ -42,6 +44,7 @@ PAGE_SIZE = 64
 PROMPT_TOKENS = 3200
 PAGES = PROMPT_TOKENS // PAGE_SIZE
 SHORT_TOKENS = 640
+OTHER_TOKENS = 1280
 DEVICE_TOKENS = 8192
 STORE_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
               "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
@@ -89,7 +92,19 @@ def prompts(demo_model) -> dict[str, list[int]]:
     prompt = stdlib_ids(tokenizer, "inspect", PROMPT_TOKENS, start=100)
     return {"prompt": prompt,
             "question": prompt + stdlib_ids(tokenizer, "bisect", 60, start=300),
-            "short": stdlib_ids(tokenizer, "heapq", SHORT_TOKENS, start=50)}
+            "short": stdlib_ids(tokenizer, "heapq", SHORT_TOKENS, start=50),
+            "other": stdlib_ids(tokenizer, "textwrap", OTHER_TOKENS, start=0)}
+
+
+def _together(prompts: dict[str, list[int]]) -> list[dict]:
+    """Three requests sent at once, over two stored prefixes: the question under a stop
+    string, another question on the same prefix under a JSON schema, and the other prefix."""
+    stop = _request(prompts["question"])
+    stop["sampling_params"]["stop"] = ["isinstance"]  # the 5th to 7th tokens here
+    schema = _request(prompts["prompt"] + prompts["short"][:40])
+    schema["sampling_params"]["json_schema"] = json.dumps({
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    return [stop, schema, _request(prompts["other"])]
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +117,10 @@ def stored(store, demo_model, prompts) -> dict:
         # One object per page, written behind the answer: all must be there before A stops.
         keys = store.wait_keys(keys_before + PAGES) - keys_before
         written = _state(a)["store_io"]
-    return {"first": first, "keys": keys, "written": written,
-            "bytes": store.stored_bytes() - bytes_before}
+        stored_bytes = store.stored_bytes() - bytes_before
+        a.generate(_request(prompts["other"]))
+        store.wait_keys(keys_before + PAGES + OTHER_TOKENS // PAGE_SIZE)
+    return {"first": first, "keys": keys, "written": written, "bytes": stored_bytes}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +131,7 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
         out = {"question": plain.generate(_request(prompts["question"]))}
         out["question_s"] = time.monotonic() - began
         out["short"] = plain.generate(_request(prompts["short"]))
+        out["together"] = send_all(plain, _together(prompts))
     return out
 
 
@@ -155,6 +173,25 @@ def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
     print(f"\n[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in "
           f"{reference['question_s']:.1f} s")
     assert reloaded["output_ids"] == reference["question"]["output_ids"]
+
+
+def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
+    """Three requests at once read two stored prefixes (one of them twice), under a stop
+    string and a JSON schema: every answer is plain SGLang's, every prefix page came from the
+    store, and the second reader of a prefix waited for the first's pages, not for its own."""
+    server_b.flush_cache()
+    before = _state(server_b)["store_io"]["read_coded_pages"]
+    answers = send_all(server_b, _together(prompts))
+    for mine, plain in zip(answers, reference["together"], strict=True):
+        assert mine["output_ids"] == plain["output_ids"]
+        assert mine["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert reference["together"][0]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert _storage_hit(answers[2]) >= OTHER_TOKENS - PAGE_SIZE  # (its last token is computed)
+    read = _state(server_b)["store_io"]["read_coded_pages"] - before
+    hits = [_storage_hit(answer) for answer in answers]
+    print(f"\n[mooncake together] storage hits {hits}, {read} pages read")
+    assert hits[0] + hits[1] >= PROMPT_TOKENS  # the shared prefix, read by one of them
+    assert read >= PAGES + OTHER_TOKENS // PAGE_SIZE - 1
 
 
 def test_a_store_dying_while_pages_load_loses_nothing(server_b, store, reference, prompts):

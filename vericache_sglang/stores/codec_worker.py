@@ -6,16 +6,21 @@ torch and constriction calls, each releasing and taking back the GIL; beside the
 loop, which keeps polling while a request waits for its prefetch, every take-back waits. A
 64-token float32 page that decodes in about 0.1 s alone took 0.47 s per page inside a server
 (`python -m bench.remote_prefix`, store reads column), and 21 s beside a thread spinning in pure
-Python. One child process codes instead: a fresh interpreter running this module (no CUDA
+Python. Child processes code instead: each a fresh interpreter running this module (no CUDA
 context, none of the scheduler's state or imports), one torch thread, a pipe, tensors crossing
-as bytes; it exits when the pipe closes, with its parent. If the child dies, the page
-is coded in the calling thread and a new child started for the next: slower, never lost.
+as bytes; it exits when the pipe closes, with its parent. Several children code a read's pages
+side by side (`CodecPool`, `--vericache-store-codec-processes`): one page's stream is a serial
+chain of entropy-decoding calls, so pages, not a page's parts, are what runs in parallel. If a
+child dies, its page is coded in the calling thread and a new child started for the next:
+slower, never lost.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import queue
 import subprocess
 import sys
 import threading
@@ -158,7 +163,65 @@ class CodecWorker:
             return self._child.pid
 
 
-CODEC_WORKER = CodecWorker()
+class CodecPool:
+    """Children that code pages side by side: each call takes an idle child (waiting for one
+    when all are busy), so as many pages are coded at once as there are children and
+    threads calling."""
+
+    def __init__(self, size: int = 1) -> None:
+        self._lock = threading.Lock()
+        self._workers: list[CodecWorker] = []
+        self._idle: queue.SimpleQueue[CodecWorker] = queue.SimpleQueue()
+        self.resize(size)
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def resize(self, size: int) -> None:
+        """Have `size` children (0: one per CPU core, at most 4). Children beyond the size are
+        kept until their pipes close with this process."""
+        size = size or min(4, os.cpu_count() or 1)
+        with self._lock:
+            while len(self._workers) < size:
+                worker = CodecWorker()
+                self._workers.append(worker)
+                self._idle.put(worker)
+            del self._workers[size:]
+
+    def start(self) -> None:
+        """Spawn every child now (imports take a second or two, the first pages' wait)."""
+        for worker in list(self._workers):
+            worker.start()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        worker = self._idle.get()
+        try:
+            return getattr(worker, method)(*args)
+        finally:
+            if worker in self._workers:
+                self._idle.put(worker)
+
+    def encode(self, coder: PageCodec, flat: torch.Tensor, key: str) -> bytes:
+        """`coder.encode_page(flat, key)`, run in an idle child."""
+        return self._call("encode", coder, flat, key)
+
+    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str) -> Decoded:
+        """`coder.decode_page(blob, key)`, run in an idle child."""
+        return self._call("decode", coder, blob, key)
+
+    @property
+    def restarts(self) -> int:
+        return sum(worker.restarts for worker in self._workers)
+
+    def pids(self) -> list[int]:
+        """The children's process ids (each started if it was not)."""
+        return [worker.pid() for worker in self._workers]
+
+
+CODEC_WORKER = CodecPool()
+"""This process's page coders: one child until a store sizes the pool from its server's
+flags."""
 
 if __name__ == "__main__":
     _serve(Connection(int(sys.argv[1])))

@@ -40,8 +40,14 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
-from .codec_worker import CODEC_WORKER
-from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
+from .pages import (
+    STORE_STATS,
+    PageCoder,
+    fault_kind,
+    start_codec_processes,
+    store_reads_auto,
+    vericache_compressor,
+)
 from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -83,10 +89,10 @@ class VeriCacheFileStorage(HiCacheFile):
         ADMISSION.enabled = store_reads_auto()
         RELOADED.bound_by(mem_pool_host)
         if self._coder is not None:
-            CODEC_WORKER.start()
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
-                        "(levels %s bits, then the exact KV)", page_size,
-                        [sorted(set(level)) for level in self._coder.spec.levels])
+                        "(levels %s bits, then the exact KV), coded by %d process(es)",
+                        page_size, [sorted(set(level)) for level in self._coder.spec.levels],
+                        start_codec_processes())
         else:
             logger.info("VeriCache store: pages of %d token(s) are stored raw with a digest; "
                         "--page-size 64 stores each page as one CacheGen stream", page_size)

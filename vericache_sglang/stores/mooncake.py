@@ -13,8 +13,9 @@ cleanly, and VeriCache skips the plain server's raw pages the same way. Other pa
 stored as SGLang stores them (raw, zero-copy).
 
 Streams go through the store's byte `put` / `get` (the coded object's size is not the page's,
-so SGLang's zero-copy reads into registered host pages do not apply); a read fetches the next
-page's object while it decodes the current one. A page whose object is
+so SGLang's zero-copy reads into registered host pages do not apply). A read fetches and
+decodes several pages at once, one per codec process (`codec_worker.CodecPool`) and one more
+fetching ahead, and writes them into the host pool in order. A page whose object is
 missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
 there and the rest is prefilled. A put the store refuses (full: -200) is skipped and counted as
 a write error; serving goes on. A store that dies while serving makes lookups fail (counted
@@ -28,8 +29,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,8 +41,14 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
-from .codec_worker import CODEC_WORKER
-from .pages import STORE_STATS, PageCoder, fault_kind, store_reads_auto, vericache_compressor
+from .pages import (
+    STORE_STATS,
+    PageCoder,
+    fault_kind,
+    start_codec_processes,
+    store_reads_auto,
+    vericache_compressor,
+)
 from .reconnect import build_or_reconnect
 from .reloaded import RELOADED
 
@@ -90,7 +98,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
         super().__init__(storage_config, mem_pool)
         self.compressor = compressor
         self._coder: PageCoder | None = None
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vericache-store-read")
+        self._workers: ThreadPoolExecutor | None = None
+        self._in_flight = 1
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -99,11 +108,16 @@ class VeriCacheMooncakeStore(MooncakeStore):
         if self.is_mla_backend or self.should_split_heads:
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
-        if self._coder is not None:
-            CODEC_WORKER.start()
-        logger.info("VeriCache Mooncake store: pages of %d token(s) stored %s",
-                    mem_pool_host.page_size, "as CacheGen streams" if self._coder else
-                    "raw, as SGLang stores them (--page-size 64 codes them)")
+        if self._coder is None:
+            logger.info("VeriCache Mooncake store: pages of %d token(s) stored raw, as SGLang "
+                        "stores them (--page-size 64 codes them)", mem_pool_host.page_size)
+            return
+        # one page coding per codec process, and one more in transfer
+        self._in_flight = start_codec_processes() + 1
+        self._workers = ThreadPoolExecutor(self._in_flight,
+                                           thread_name_prefix="vericache-store-io")
+        logger.info("VeriCache Mooncake store: pages of %d tokens stored as CacheGen streams, "
+                    "read %d at a time", mem_pool_host.page_size, self._in_flight)
 
     def _coded_keys(self, keys: list[str]) -> list[str]:
         return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
@@ -130,15 +144,15 @@ class VeriCacheMooncakeStore(MooncakeStore):
         page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
         stored = self._batch_exist(names)
+        todo = [(name, host_indices[i * page].item()) for i, name in enumerate(names)
+                if stored[i] != 1]
+        coded = self._windowed(self._encode, todo)
         results = []
         for i, name in enumerate(names):
             if stored[i] == 1:
                 results.append(True)
                 continue
-            began = time.perf_counter()
-            flat = self.mem_pool_host.get_data_page(host_indices[i * page].item(), flat=True)
-            blob = self._coder.encode(flat, name)
-            seconds = time.perf_counter() - began
+            blob, kv_bytes, seconds = next(coded).result()
             code = self.store.put(name, blob)
             if code != 0:
                 STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
@@ -147,10 +161,17 @@ class VeriCacheMooncakeStore(MooncakeStore):
                     results += [False] * (len(names) - len(results))
                     break
                 continue
-            STORE_STATS.add("written", "coded", len(blob), flat.numel() * flat.element_size(),
-                            seconds)
+            STORE_STATS.add("written", "coded", len(blob), kv_bytes, seconds)
             results.append(True)
+        coded.close()
         return results
+
+    def _encode(self, name: str, index: int) -> tuple[bytes, int, float]:
+        """The stream of the host page at `index`, its KV bytes and the seconds coding took."""
+        began = time.perf_counter()
+        flat = self.mem_pool_host.get_data_page(index, flat=True)
+        blob = self._coder.encode(flat, name)
+        return blob, flat.numel() * flat.element_size(), time.perf_counter() - began
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
@@ -160,16 +181,16 @@ class VeriCacheMooncakeStore(MooncakeStore):
         results = [False] * len(keys)
         names = self._coded_keys(keys)
         began = time.perf_counter()
-        for i, (name, blob) in enumerate(zip(names, self._read_ahead(names), strict=True)):
-            if not blob:
-                STORE_STATS.record("missing", name, "the store has no such object")
-                break
-            target = self.mem_pool_host.get_dummy_flat_data_page()
+        reads = self._windowed(self._read, list(zip(names, keys, strict=True)))
+        for i, (name, read) in enumerate(zip(names, reads, strict=True)):
             try:
-                self._coder.decode(memoryview(blob), name, target, page_key=keys[i])
+                blob, target = read.result()
             except StreamError as e:
                 STORE_STATS.record(fault_kind(e), name, str(e))
                 self.store.remove(name)  # written again by a later backup
+                break
+            if not blob:
+                STORE_STATS.record("missing", name, "the store has no such object")
                 break
             index = host_indices[i * page].item()
             self.mem_pool_host.set_from_flat_data_page(index, target)
@@ -179,18 +200,37 @@ class VeriCacheMooncakeStore(MooncakeStore):
                             seconds)
             ADMISSION.record_read(page, seconds)
             results[i] = True
+        reads.close()
         return results
 
-    def _read_ahead(self, names: list[str]) -> Iterator[bytes]:
-        """The objects `names`, in order, each fetched while the one before it is decoded:
-        Mooncake's `get` releases the GIL, so a page's transfer overlaps its predecessor's
-        decode and a read takes about the longer of the two, not their sum. A read that stops
-        at a fault has fetched one page past it, which is dropped."""
-        if not names:
-            return
-        ahead = self._reader.submit(self.store.get, names[0])
-        for name in names[1:]:
-            blob = ahead.result()
-            ahead = self._reader.submit(self.store.get, name)
-            yield blob
-        yield ahead.result()
+    def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None]:
+        """Page `name`'s object and its exact KV as a flat host page (None, None: no object);
+        raises `StreamError` for a stream that does not decode."""
+        blob = self.store.get(name)
+        if not blob:
+            return None, None
+        target = self.mem_pool_host.get_dummy_flat_data_page()
+        self._coder.decode(memoryview(blob), name, target, page_key=page_key)
+        return blob, target
+
+    def _windowed(self, job: Callable[..., Any], items: list[tuple]) -> Iterator[Future]:
+        """`job(*item)` for each item, as futures in order, with up to `_in_flight` running at
+        once: a page's transfer (Mooncake's `get` and `put` release the GIL) and its coding (in
+        a codec process) overlap other pages', so a batch takes about the slower of the link
+        and the coders, not their sum. Jobs past where the caller stops (closing the iterator)
+        are cancelled, or run out unused."""
+        pending: deque[Future] = deque()
+        upcoming = iter(items)
+        try:
+            while True:
+                while len(pending) < self._in_flight:
+                    item = next(upcoming, None)
+                    if item is None:
+                        break
+                    pending.append(self._workers.submit(job, *item))
+                if not pending:
+                    return
+                yield pending.popleft()
+        finally:
+            for future in pending:
+                future.cancel()

@@ -149,6 +149,13 @@ def store_reads_auto() -> bool:
     return config.enable_vericache and config.vericache_store_reads == "auto"
 
 
+def start_codec_processes() -> int:
+    """Size this process's page coders from its server's flags and start them; how many."""
+    CODEC_WORKER.resize(served_config().vericache_store_codec_processes)
+    CODEC_WORKER.start()
+    return CODEC_WORKER.size
+
+
 def vericache_compressor() -> str | None:
     """The compressor spec of the server this process runs, or None without VeriCache."""
     config = served_config()
