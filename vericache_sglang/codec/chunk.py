@@ -17,6 +17,7 @@ points derived from the pool level's, so every level is a KIVI tier the attentio
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -112,12 +113,22 @@ def _codes(tier: QuantTier) -> tuple[torch.Tensor, torch.Tensor]:
             kernels.unpack_codes(tier.v_codes, tier.bits))
 
 
-def _channels(kc: torch.Tensor, vc: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Channel index (head * D + d) of every key and value code."""
-    _, heads, dim, group = kc.shape
-    ch = torch.arange(heads * dim).reshape(heads, dim)
-    return (ch[None, :, :, None].expand_as(kc).numpy().ravel(),
-            ch[None].expand_as(vc).numpy().ravel())
+@functools.lru_cache(maxsize=16)
+def _channel_groupings(k_codes: tuple[int, ...], v_codes: tuple[int, ...]) -> tuple[Grouping,
+                                                                                  Grouping]:
+    """Per-channel tables of K and V codes: a chunk shape's argsort, done once per process."""
+    _, heads, dim, _ = k_codes
+    ch = np.arange(heads * dim).reshape(heads, dim)
+    return (Grouping.of(np.broadcast_to(ch[None, :, :, None], k_codes), heads * dim),
+            Grouping.of(np.broadcast_to(ch[None], v_codes), heads * dim))
+
+
+def _coarse_meta(scale: torch.Tensor, zero: torch.Tensor,
+                 shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scale and zero point of bins `1 << shift` times wider, the zero at the coarse bin's
+    centre."""
+    s = scale.float()
+    return (s * (1 << shift)).half(), (zero.float() + s * ((1 << shift) - 1) / 2).half()
 
 
 def coarser(tier: QuantTier, bits: int) -> QuantTier:
@@ -127,13 +138,10 @@ def coarser(tier: QuantTier, bits: int) -> QuantTier:
     if shift == 0:
         return tier
     kc, vc = _codes(tier)
-
-    def meta(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = scale.float()
-        return (s * (1 << shift)).half(), (zero.float() + s * ((1 << shift) - 1) / 2).half()
-
-    return QuantTier(bits, kernels.pack_codes(kc >> shift, bits), *meta(tier.k_scale, tier.k_zero),
-                     kernels.pack_codes(vc >> shift, bits), *meta(tier.v_scale, tier.v_zero))
+    return QuantTier(bits, kernels.pack_codes(kc >> shift, bits),
+                     *_coarse_meta(tier.k_scale, tier.k_zero, shift),
+                     kernels.pack_codes(vc >> shift, bits),
+                     *_coarse_meta(tier.v_scale, tier.v_zero, shift))
 
 
 def _meta_bytes(tiers: list[QuantTier], level: int) -> bytes:
@@ -158,18 +166,17 @@ class _Geometry:
         self.v_codes = (n, h, d)
         self.k_meta = (n // g, h, d)
         self.v_meta = (n, h, d // header.v_group)
-        kc = torch.zeros(self.k_codes, dtype=torch.uint8)
-        vc = torch.zeros(self.v_codes, dtype=torch.uint8)
-        k_channel, v_channel = _channels(kc, vc)
-        self.channel_groupings = (Grouping.of(k_channel, h * d), Grouping.of(v_channel, h * d))
+        self.codes = n * h * d
+        """Codes (and elements) per layer and kind."""
+        self.channel_groupings = _channel_groupings(self.k_codes, self.v_codes)
 
 
-def _grouping(geo: _Geometry, tables: str, kind: int, previous: torch.Tensor | None,
+def _grouping(geo: _Geometry, tables: str, kind: int, previous: np.ndarray | None,
               prev_bits: int) -> Grouping:
     """The tables of a level's K (kind 0) or V codes: per channel, or per coarser code."""
     if tables == "channel" or previous is None:
         return geo.channel_groupings[kind]
-    return Grouping.of(previous.numpy().ravel(), 1 << prev_bits)
+    return Grouping.of(previous, 1 << prev_bits)
 
 
 def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
@@ -207,7 +214,7 @@ def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
                 continue
             for kind, c in enumerate((kc, vc)):
                 symbols = (c >> (pool - bits)) & ((1 << width) - 1)
-                previous = c >> (pool - prev[layer]) if prev else None
+                previous = (c >> (pool - prev[layer])).numpy() if prev else None
                 grouping = _grouping(geo, spec.tables, kind, previous,
                                      prev[layer] if prev else 0)
                 tables.append(writer.grouped(symbols.numpy().ravel(), grouping, 1 << width))
@@ -222,13 +229,15 @@ def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
     return write_stream(fields, parts, key)
 
 
-def _bins(tier: QuantTier, group: int, v_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centre and half width (float32, flat: keys then values) of every element's pool bin."""
+def _bins(tier: QuantTier, group: int, v_group: int,
+          layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centre and half width (float32, [layers, keys then values]) of every element's pool bin;
+    `tier` holds `layers` layers' tokens one after the other (one dequantization for all)."""
     k_pred, v_pred = tier.dequantize(torch.float32)
     k_half = tier.k_scale.float().repeat_interleave(group, 0) / 2
     v_half = tier.v_scale.float().repeat_interleave(v_group, -1) / 2
-    return (torch.cat([k_pred.flatten(), v_pred.flatten()]),
-            torch.cat([k_half.flatten(), v_half.flatten()]))
+    return (torch.cat([k_pred.reshape(layers, -1), v_pred.reshape(layers, -1)], 1),
+            torch.cat([k_half.reshape(layers, -1), v_half.reshape(layers, -1)], 1))
 
 
 def _encode_exact(keys: torch.Tensor, values: torch.Tensor, tier: QuantTier,
@@ -236,7 +245,7 @@ def _encode_exact(keys: torch.Tensor, values: torch.Tensor, tier: QuantTier,
     x = torch.cat([keys.flatten(), values.flatten()])
     pred, half = _bins(tier, len(keys) // tier.k_scale.shape[0], math.gcd(
         len(keys) // tier.k_scale.shape[0], keys.shape[-1]))
-    residual = exact.encode_residual(x, pred, half, fmt)
+    residual = exact.encode_residual(x, pred.ravel(), half.ravel(), fmt)
     planes = exact.encode_planes(x, zstd_level)
     if len(planes) < len(residual):
         return bytes([EXACT_PLANES]) + planes
@@ -267,85 +276,117 @@ def decode_chunk(blob: bytes | memoryview, level: int | None = None,
 
 
 def _decode(header: Header, geo: _Geometry, parts: list[memoryview], want: int) -> DecodedChunk:
-    layers = header.layers
-    meta_count = sum(math.prod(s) for s in (geo.k_meta, geo.k_meta, geo.v_meta, geo.v_meta))
     sections0 = unpack_sections(parts[0], 3)
-    meta = exact.decode_planes(sections0[0], meta_count * layers, exact.FORMATS["float16"])
-    sizes = [math.prod(geo.k_meta)] * 2 + [math.prod(geo.v_meta)] * 2
-    shapes = [geo.k_meta, geo.k_meta, geo.v_meta, geo.v_meta]
-    metas, offset = [], 0
-    for _ in range(layers):
-        items = []
-        for size, shape in zip(sizes, shapes, strict=True):
-            items.append(meta[offset:offset + size].reshape(shape))
-            offset += size
-        metas.append(items)
-    kcodes = [torch.zeros(geo.k_codes, dtype=torch.int32) for _ in range(layers)]
-    vcodes = [torch.zeros(geo.v_codes, dtype=torch.int32) for _ in range(layers)]
+    meta = _decode_meta(sections0[0], geo)
+    codes = np.zeros((header.layers, 2, geo.codes), dtype=np.int32)
     top = min(want, len(header.levels) - 1)
     for index in range(top + 1):
-        level, prev = header.levels[index], header.levels[index - 1] if index else None
         sections = sections0[1:] if index == 0 else unpack_sections(parts[index], 2)
-        reader = SymbolReader(sections[1])
-        flat = np.frombuffer(zstandard.ZstdDecompressor().decompress(
-            bytes(sections[0]), max_output_size=1 << 28), dtype=np.uint8)
-        pos = 0
-        for layer in range(layers):
-            width = level[layer] - (prev[layer] if prev else 0)
-            if width == 0:
-                continue
-            for kind, codes in enumerate((kcodes[layer], vcodes[layer])):
-                previous = codes if prev else None
-                grouping = _grouping(geo, header.tables, kind, previous,
-                                     prev[layer] if prev else 0)
-                num_groups = len(grouping.counts)
-                size = num_groups << width
-                if pos + size > flat.size:
-                    raise StreamError("KV stream tables are short")
-                tables = flat[pos:pos + size].reshape(num_groups, 1 << width)
-                pos += size
-                symbols = reader.grouped(grouping, tables)
-                codes.mul_(1 << width).add_(torch.from_numpy(symbols).reshape(codes.shape))
-        if pos != flat.size:
-            raise StreamError("KV stream tables have unexpected entries")
-    pool = header.levels[-1]
-    tiers = []
-    for layer in range(layers):
-        bits = header.levels[top][layer]
-        ks, kz, vs, vz = metas[layer]
-        pool_tier = QuantTier(pool[layer], *_packed(kcodes[layer], vcodes[layer], bits, ks, kz,
-                                                    vs, vz))
-        # codes hold `bits` bits: rebuild the pool tier's meta, then coarsen
-        tiers.append(pool_tier if bits == pool[layer] else
-                     coarser(QuantTier(pool[layer], *_packed(
-                         kcodes[layer] << (pool[layer] - bits),
-                         vcodes[layer] << (pool[layer] - bits), pool[layer], ks, kz, vs, vz)),
-                         bits))
+        _decode_level(header, geo, sections, index, codes)
+    tiers = _tiers(header, geo, codes, meta, top)
     result = DecodedChunk(header, want, tiers)
     if want == len(header.levels):
-        sections = unpack_sections(parts[-1], layers)
-        k_out, v_out = [], []
-        n = header.tokens * header.heads * header.head_dim
-        for layer, section in enumerate(sections):
+        result.keys, result.values = _decode_exact(header, geo, parts[-1], tiers)
+    return result
+
+
+def _decode_meta(section: memoryview, geo: _Geometry) -> list[torch.Tensor]:
+    """Every layer's K scales, K zeros, V scales, V zeros: four fp16 [L, *meta shape]."""
+    shapes = [geo.k_meta, geo.k_meta, geo.v_meta, geo.v_meta]
+    sizes = [math.prod(shape) for shape in shapes]
+    layers = geo.header.layers
+    meta = exact.decode_planes(section, sum(sizes) * layers, exact.FORMATS["float16"])
+    items = meta.reshape(layers, -1).split(sizes, 1)
+    return [item.reshape(layers, *shape) for item, shape in zip(items, shapes, strict=True)]
+
+
+def _decode_level(header: Header, geo: _Geometry, sections: list[memoryview], index: int,
+                  codes: np.ndarray) -> None:
+    """Append level `index`'s bits to `codes` ([L, K or V, codes], holding the previous
+    level's)."""
+    level = header.levels[index]
+    prev = header.levels[index - 1] if index else [0] * header.layers
+    reader = SymbolReader(sections[1])
+    flat = np.frombuffer(zstandard.ZstdDecompressor().decompress(
+        bytes(sections[0]), max_output_size=1 << 28), dtype=np.uint8)
+    pos = 0
+    for layer in range(header.layers):
+        width = level[layer] - prev[layer]
+        if width == 0:
+            continue
+        for kind in range(2):
+            layer_codes = codes[layer, kind]
+            grouping = _grouping(geo, header.tables, kind, layer_codes if index else None,
+                                 prev[layer])
+            num_groups = len(grouping.counts)
+            size = num_groups << width
+            if pos + size > flat.size:
+                raise StreamError("KV stream tables are short")
+            tables = flat[pos:pos + size].reshape(num_groups, 1 << width)
+            pos += size
+            layer_codes <<= width
+            layer_codes |= reader.grouped(grouping, tables)
+    if pos != flat.size:
+        raise StreamError("KV stream tables have unexpected entries")
+
+
+def _tiers(header: Header, geo: _Geometry, codes: np.ndarray, meta: list[torch.Tensor],
+           top: int) -> list[QuantTier]:
+    """Level `top`'s tier per layer from its codes and the pool level's meta, packed in one
+    call per (bits, pool bits) of all the layers sharing them."""
+    layers = header.layers
+    bits, pool = header.levels[top], header.levels[-1]
+    tiers: list[QuantTier] = [None] * layers  # type: ignore[list-item]
+    for b, p in sorted(set(zip(bits, pool, strict=True))):
+        members = [layer for layer in range(layers) if (bits[layer], pool[layer]) == (b, p)]
+        sel = torch.tensor(members)
+        kc = _pack(codes[members, 0].reshape(len(members), *geo.k_codes), b)
+        vc = _pack(codes[members, 1].reshape(len(members), *geo.v_codes), b)
+        ks, kz, vs, vz = (m[sel] for m in meta)
+        if b != p:
+            (ks, kz), (vs, vz) = _coarse_meta(ks, kz, p - b), _coarse_meta(vs, vz, p - b)
+        for i, layer in enumerate(members):
+            tiers[layer] = QuantTier(b, kc[i], ks[i], kz[i], vc[i], vs[i], vz[i])
+    return tiers
+
+
+def _pack(codes: np.ndarray, bits: int) -> torch.Tensor:
+    """`kernels.pack_codes` in numpy (torch's sum over a last dim of 1-4 lanes is slow): codes
+    [..., W] -> uint8 [..., W * bits / 8], lane j of a byte at bit j * bits."""
+    lanes = codes.reshape(*codes.shape[:-1], -1, 8 // bits).astype(np.uint8)
+    packed = lanes[..., 0].copy()
+    for lane in range(1, 8 // bits):
+        packed |= lanes[..., lane] << (lane * bits)
+    return torch.from_numpy(packed)
+
+
+def _decode_exact(header: Header, geo: _Geometry, part: memoryview,
+                  tiers: list[QuantTier]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact [L, n, H, D] keys and values. The pool bins of all layers of one bit width are
+    computed at once; the rest goes layer by layer (a layer's int64 arrays stay in cache)."""
+    layers, n = header.layers, geo.codes
+    sections = unpack_sections(part, layers)
+    out = np.empty((2, layers, n), dtype=f"u{geo.fmt.bits // 8}")
+    for bits in sorted({tier.bits for tier in tiers}):
+        members = [layer for layer in range(layers) if tiers[layer].bits == bits]
+        shared = QuantTier(bits, *(torch.cat(t) for t in zip(
+            *(tiers[layer].tensors() for layer in members), strict=True)))
+        pred, half = _bins(shared, header.group, header.v_group, len(members))
+        for i, layer in enumerate(members):
+            section = sections[layer]
             if len(section) < 1:
                 raise StreamError("KV stream exact section is empty")
             mode, data = section[0], section[1:]
             if mode == EXACT_PLANES:
-                x = exact.decode_planes(data, 2 * n, geo.fmt)
+                x = exact.decode_planes(data, 2 * n, geo.fmt).view(geo.fmt.int_dtype).numpy()
+                out[:, layer] = x.view(out.dtype).reshape(2, n)
             elif mode == EXACT_RESIDUAL:
-                pred, half = _bins(tiers[layer], header.group, header.v_group)
-                x = exact.decode_residual(data, pred, half, geo.fmt)
+                plan = exact.bin_plan(pred[i], half[i], geo.fmt)
+                out[:, layer] = exact.decode_residual(data, plan, geo.fmt).reshape(2, n)
             else:
                 raise StreamError(f"KV stream exact section of unknown mode {mode}")
-            k_out.append(x[:n].reshape(geo.v_codes))
-            v_out.append(x[n:].reshape(geo.v_codes))
-        result.keys, result.values = torch.stack(k_out), torch.stack(v_out)
-    return result
-
-
-def _packed(kc: torch.Tensor, vc: torch.Tensor, bits: int, *meta: torch.Tensor):
-    ks, kz, vs, vz = meta
-    return (kernels.pack_codes(kc, bits), ks, kz, kernels.pack_codes(vc, bits), vs, vz)
+    keys, values = (exact.floats(x, geo.fmt).reshape(layers, *geo.v_codes) for x in out)
+    return keys, values
 
 
 def encode(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,

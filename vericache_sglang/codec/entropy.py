@@ -9,6 +9,7 @@ with `Uniform` models whose sizes the decoder computes itself.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import constriction
@@ -40,6 +41,11 @@ class Grouping:
     @classmethod
     def single(cls, size: int) -> Grouping:
         return cls(None, None, [size])
+
+    @functools.cached_property
+    def coded(self) -> np.ndarray:
+        """Which tables code at least one symbol."""
+        return np.asarray(self.counts) > 0
 
     def sort(self, symbols: np.ndarray) -> np.ndarray:
         return symbols if self.order is None else symbols[self.order]
@@ -108,11 +114,11 @@ class SymbolReader:
         self._decoder = constriction.stream.queue.RangeDecoder(words)
 
     def grouped(self, grouping: Grouping, tables: np.ndarray) -> np.ndarray:
-        coded = np.asarray(grouping.counts) > 0
-        if not tables[coded].any(axis=1).all():
+        if not tables[grouping.coded].any(axis=1).all():
             raise StreamError("KV stream table has no symbols for a coded group")
-        decode = self._decoder.decode
-        parts = [decode(_categorical(freqs), count)
+        # a page has tens of thousands of groups: no Python frame per group beyond the two calls
+        decode, categorical = self._decoder.decode, _model.Categorical
+        parts = [decode(categorical(freqs, perfect=False), count)
                  for freqs, count in zip(tables.astype(np.float64), grouping.counts, strict=True)
                  if count]
         return grouping.unsort(np.concatenate(parts) if parts else np.empty(0, dtype=np.int32))

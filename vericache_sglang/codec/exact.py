@@ -68,14 +68,14 @@ def _exponent(u: np.ndarray, fmt: FloatFormat) -> np.ndarray:
     return u >> fmt.mantissa & ((1 << (fmt.bits - 1 - fmt.mantissa)) - 1)
 
 
-def _floats(u: np.ndarray, fmt: FloatFormat) -> torch.Tensor:
-    """Unsigned bit patterns (int64) -> floats of fmt's dtype."""
-    unsigned = u.astype(f"u{fmt.bits // 8}")
+def floats(u: np.ndarray, fmt: FloatFormat) -> torch.Tensor:
+    """Unsigned bit patterns (any integer dtype) -> floats of fmt's dtype."""
+    unsigned = u.astype(f"u{fmt.bits // 8}", copy=False)
     return torch.from_numpy(unsigned.view(f"i{fmt.bits // 8}")).view(fmt.dtype)
 
 
 @dataclass
-class _Plan:
+class Plan:
     """What the decoder can compute before reading a layer's residual symbols."""
 
     low: np.ndarray
@@ -86,7 +86,8 @@ class _Plan:
     """Exponent field of each wide bin's largest magnitude."""
 
 
-def _plan(pred: torch.Tensor, half: torch.Tensor, fmt: FloatFormat) -> _Plan:
+def bin_plan(pred: torch.Tensor, half: torch.Tensor, fmt: FloatFormat) -> Plan:
+    """What both sides derive from the bins (pred, half: float32, flat)."""
     lo = (pred - half).to(fmt.dtype)
     hi = (pred + half).to(fmt.dtype)
     s_lo, s_hi = _signed(lo, fmt), _signed(hi, fmt)
@@ -96,7 +97,7 @@ def _plan(pred: torch.Tensor, half: torch.Tensor, fmt: FloatFormat) -> _Plan:
     # the larger magnitude has the larger exponent field (NaN's being the largest)
     mask = (1 << fmt.bits) - 1
     top_exponent = np.maximum(_exponent(s_lo & mask, fmt), _exponent(s_hi & mask, fmt))
-    return _Plan(low, count, narrow, top_exponent)
+    return Plan(low, count, narrow, top_exponent)
 
 
 def _raw(writer: SymbolWriter, u: np.ndarray, fmt: FloatFormat) -> None:
@@ -115,7 +116,7 @@ def _read_raw(reader: SymbolReader, n: int, fmt: FloatFormat) -> np.ndarray:
 def encode_residual(x: torch.Tensor, pred: torch.Tensor, half: torch.Tensor,
                     fmt: FloatFormat) -> bytes:
     """x (flat, in fmt's dtype) given the bins (pred, half: float32, same length)."""
-    plan = _plan(pred, half, fmt)
+    plan = bin_plan(pred, half, fmt)
     s = _signed(x, fmt)
     u = s & ((1 << fmt.bits) - 1)
     offset = _flip(s, fmt) - plan.low
@@ -138,10 +139,8 @@ def encode_residual(x: torch.Tensor, pred: torch.Tensor, half: torch.Tensor,
     return table.tobytes() + writer.finish()
 
 
-def decode_residual(data: memoryview, pred: torch.Tensor, half: torch.Tensor,
-                    fmt: FloatFormat) -> torch.Tensor:
-    """Inverse of `encode_residual`."""
-    plan = _plan(pred, half, fmt)
+def decode_residual(data: memoryview, plan: Plan, fmt: FloatFormat) -> np.ndarray:
+    """Inverse of `encode_residual`, given the bins' plan: x's unsigned bit patterns (int64)."""
     table = np.frombuffer(data[:EXP_SYMBOLS], dtype=np.uint8).reshape(1, EXP_SYMBOLS)
     reader = SymbolReader(data[EXP_SYMBOLS:])
     narrow = np.flatnonzero(plan.narrow)
@@ -161,7 +160,7 @@ def decode_residual(data: memoryview, pred: torch.Tensor, half: torch.Tensor,
     escaped[narrow[n_off >= n_count]] = True
     escaped[wide[~w_ok]] = True
     u[escaped] = _read_raw(reader, int(escaped.sum()), fmt)
-    return _floats(u, fmt)
+    return u
 
 
 def encode_planes(x: torch.Tensor, level: int) -> bytes:
