@@ -66,11 +66,15 @@ STORED_TOKENS = 640
 STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "1",
               "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
+VERICACHE = [*serving.VERICACHE, "--vericache-full-tier", "device"]
+"""VeriCache with its full KV where HiCache's is, in the device pool, loaded back from SGLang's
+host pool (with a store, `auto` would pick the host tier, whose pools did not fit beside a
+6,000-token matrix's store on a 24 GiB machine)."""
 CONFIGS = {
     "recompute": None,
     "hicache": [],
-    "vericache": serving.VERICACHE,
-    "vericache-auto": [*serving.VERICACHE, "--vericache-store-reads", "auto"],
+    "vericache": VERICACHE,
+    "vericache-auto": [*VERICACHE, "--vericache-store-reads", "auto"],
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
 
