@@ -102,4 +102,5 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_disk_dir": None,
         "vericache_staging_budget": None,
         "vericache_store_reads": "always",
+        "vericache_store_codec_processes": 0,  # one per core, at most 4
     }

@@ -155,10 +155,15 @@ def recomputed_answer(demo_model: Path, tokenizer, paged_requests, reloaded_answ
     ]) as server:
         server.generate(payload(PROMPTS["difflib_2600"](tokenizer), "code", max_new_tokens=1))
         read = server.generate(paged_requests["batch"][NAMES.index("heapq_400")])
+        measured = _vericache_state(server)["store_reads"]  # the rates the choice is made by
         out = server.generate(paged_requests["reuse"])
-        state = server.server_info()["internal_states"][0]["vericache_state"]
-        return {**out, "first_read": read, "store_reads": state["store_reads"],
+        return {**out, "first_read": read, "measured": measured,
+                "store_reads": _vericache_state(server)["store_reads"],
                 "metrics": vericache_metrics(server)}
+
+
+def _vericache_state(server: ServerProcess) -> dict:
+    return server.server_info()["internal_states"][0]["vericache_state"]
 
 
 def test_the_server_runs_with_pages_of_64(vericache_answers):
@@ -222,18 +227,26 @@ def test_a_reloaded_prefix_takes_its_compressed_pages_from_the_stored_streams(
     assert reloaded_answer["quantized"] == 0
 
 
-def test_a_stored_prefix_slower_to_read_than_to_prefill_is_recomputed(recomputed_answer,
-                                                                      plain_answers):
-    """On this CPU a coded page decodes slower than the model prefills it: with
-    `--vericache-store-reads auto` the server, once it has measured both, recomputes the
-    stored prefix, counts the pages it did not read, and answers as plain SGLang does."""
-    reads = recomputed_answer["store_reads"]
-    print(f"\n[store reads auto] {reads}")
+def test_a_stored_prefix_is_read_or_recomputed_as_the_measured_rates_say(recomputed_answer,
+                                                                        plain_answers):
+    """With `--vericache-store-reads auto`, once the server has measured a read and a prefill,
+    it recomputes a stored prefix whose pages read slower per token than it prefills (the
+    declined pages counted) and reads it otherwise; either way it answers as plain SGLang does.
+    Which way depends on this machine's codec and prefill speed (coded float32 pages decoded
+    slower than the demo model prefilled until the codec processes and commit d768871); the
+    rule's both outcomes are tests/stores/test_admission.py's."""
+    measured, reads = recomputed_answer["measured"], recomputed_answer["store_reads"]
+    print(f"\n[store reads auto] measured before the request {measured}; after {reads}")
     assert recomputed_answer["first_read"]["meta_info"]["cached_tokens_details"]["storage"] > 0
-    assert reads["read_seconds_per_token"] > reads["prefill_seconds_per_token"] > 0
+    assert measured["read_seconds_per_token"] > 0 and measured["prefill_seconds_per_token"] > 0
     out, expected = recomputed_answer, plain_answers["reuse"]
     assert out["output_ids"] == expected["output_ids"]
-    assert out["meta_info"]["cached_tokens"] == 0  # nothing loaded: the prefix recomputed
-    assert reads["declined_pages"] >= STORED_TOKENS // PAGE_SIZE
+    declined = reads["declined_pages"] - measured["declined_pages"]
     assert (recomputed_answer["metrics"]["vericache:store_reads_declined_total"]
             == reads["declined_pages"])
+    if measured["read_seconds_per_token"] > measured["prefill_seconds_per_token"]:
+        assert out["meta_info"]["cached_tokens"] == 0  # nothing loaded: the prefix recomputed
+        assert declined >= STORED_TOKENS // PAGE_SIZE
+    else:
+        assert out["meta_info"]["cached_tokens_details"]["storage"] >= STORED_TOKENS
+        assert declined == 0
