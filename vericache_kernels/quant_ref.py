@@ -27,10 +27,6 @@ def check_packing(length: int, group: int, bits: int) -> None:
         )
 
 
-def _shifts(bits: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(8 // bits, device=device, dtype=torch.int32) * bits
-
-
 def quantize_pack_ref(
     x: torch.Tensor, group: int, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,8 +47,12 @@ def quantize_pack_ref(
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes [..., L] in [0, 2**bits) -> packed uint8 [..., L*bits/8] (the layout above)."""
     per_byte = 8 // bits
-    lanes = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    return (lanes << _shifts(bits, codes.device)).sum(-1).to(torch.uint8)
+    lanes = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    # one shift-or per lane: a sum over a last dimension of 1-4 lanes is a slow reduction
+    packed = lanes[..., 0].clone()
+    for lane in range(1, per_byte):
+        packed |= lanes[..., lane] << (lane * bits)
+    return packed
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -340,24 +340,16 @@ def _tiers(header: Header, geo: _Geometry, codes: np.ndarray, meta: list[torch.T
     for b, p in sorted(set(zip(bits, pool, strict=True))):
         members = [layer for layer in range(layers) if (bits[layer], pool[layer]) == (b, p)]
         sel = torch.tensor(members)
-        kc = _pack(codes[members, 0].reshape(len(members), *geo.k_codes), b)
-        vc = _pack(codes[members, 1].reshape(len(members), *geo.v_codes), b)
+        kc = kernels.pack_codes(torch.from_numpy(
+            codes[members, 0].reshape(len(members), *geo.k_codes)), b)
+        vc = kernels.pack_codes(torch.from_numpy(
+            codes[members, 1].reshape(len(members), *geo.v_codes)), b)
         ks, kz, vs, vz = (m[sel] for m in meta)
         if b != p:
             (ks, kz), (vs, vz) = _coarse_meta(ks, kz, p - b), _coarse_meta(vs, vz, p - b)
         for i, layer in enumerate(members):
             tiers[layer] = QuantTier(b, kc[i], ks[i], kz[i], vc[i], vs[i], vz[i])
     return tiers
-
-
-def _pack(codes: np.ndarray, bits: int) -> torch.Tensor:
-    """`kernels.pack_codes` in numpy (torch's sum over a last dim of 1-4 lanes is slow): codes
-    [..., W] -> uint8 [..., W * bits / 8], lane j of a byte at bit j * bits."""
-    lanes = codes.reshape(*codes.shape[:-1], -1, 8 // bits).astype(np.uint8)
-    packed = lanes[..., 0].copy()
-    for lane in range(1, 8 // bits):
-        packed |= lanes[..., lane] << (lane * bits)
-    return torch.from_numpy(packed)
 
 
 def _decode_exact(header: Header, geo: _Geometry, part: memoryview,
