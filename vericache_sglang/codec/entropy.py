@@ -70,8 +70,9 @@ def frequency_tables(symbols: np.ndarray, grouping: Grouping, num_symbols: int) 
     return np.where(hist > 0, np.maximum(scaled, 1), 0).astype(np.uint8)
 
 
-def _categorical(freqs: np.ndarray):
-    return _model.Categorical(freqs, perfect=False)
+_categorical = functools.partial(_model.Categorical, perfect=False)
+"""The model both sides build from a table (a C-level partial: no Python frame per group, of
+which a page has tens of thousands)."""
 
 
 class SymbolWriter:
@@ -116,9 +117,8 @@ class SymbolReader:
     def grouped(self, grouping: Grouping, tables: np.ndarray) -> np.ndarray:
         if not tables[grouping.coded].any(axis=1).all():
             raise StreamError("KV stream table has no symbols for a coded group")
-        # a page has tens of thousands of groups: no Python frame per group beyond the two calls
-        decode, categorical = self._decoder.decode, _model.Categorical
-        parts = [decode(categorical(freqs, perfect=False), count)
+        decode = self._decoder.decode
+        parts = [decode(_categorical(freqs), count)
                  for freqs, count in zip(tables.astype(np.float64), grouping.counts, strict=True)
                  if count]
         return grouping.unsort(np.concatenate(parts) if parts else np.empty(0, dtype=np.int32))
