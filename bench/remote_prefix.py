@@ -63,9 +63,17 @@ DEVICE_TOKENS = 8192
 QUESTION_TOKENS = 60
 UNSTORED_TOKENS = 2000
 STORED_TOKENS = 640
-STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "1",
+STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2",
               "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
+"""HiCache on the store, for every configuration that reads it. The host pool is twice the
+device pool: SGLang keeps its prefetches within half the host pool, and the device pool
+(`pool_tokens`) holds a whole batch, so every request of a batch may prefetch at once."""
+SGLANG_STORAGE_BATCH_PAGES = 128
+"""Pages SGLang's prefetch reads from a store in one call (`STORAGE_BATCH_SIZE` in SGLang's
+hicache_storage.py); plain SGLang's Mooncake backend makes it one `batch_get_into`."""
+LEASE_FLOOR_MS = 10_000
+"""Mooncake's default read lease (`--default_kv_lease_ttl`)."""
 VERICACHE = [*serving.VERICACHE, "--vericache-full-tier", "device"]
 """VeriCache with its full KV where HiCache's is, in the device pool, loaded back from SGLang's
 host pool (with a store, `auto` would pick the host tier, whose pools did not fit beside a
@@ -119,6 +127,19 @@ def store_bytes_needed(args: argparse.Namespace, kv_bytes: int) -> int:
               + UNSTORED_TOKENS + len(args.rates_mbit) * STORED_TOKENS)
     stores = sum(CONFIGS[name] is not None for name in args.configs)
     return stores * (tokens + PAGE_SIZE * prefixes_needed(args)) * kv_bytes
+
+
+def lease_ttl_ms(args: argparse.Namespace, kv_bytes: int) -> int:
+    """A read lease that outlasts plain SGLang's slowest read: Mooncake leases the objects of a
+    batched get when it looks them up and fails the whole get, every page of it, once the lease
+    has run out before the data crossed (`LEASE_EXPIRED`; SGLang then keeps none of the pages
+    and prefills the prefix, after waiting for the read). At the default 10 s a 6,000-token
+    float32 prefix (93 pages, 274 MB in one get) behind 200 Mbit/s always failed. Here: the
+    largest get at the slowest rate, with the batch's requests sharing the link and the
+    writes beside them, twice over."""
+    pages = min(SGLANG_STORAGE_BATCH_PAGES, math.ceil(args.prefix_tokens / PAGE_SIZE))
+    seconds = pages * PAGE_SIZE * kv_bytes * 8 / (min(args.rates_mbit) * 1e6)
+    return max(LEASE_FLOOR_MS, math.ceil(2 * 2 * max(args.batch) * seconds * 1000))
 
 
 def pool_tokens(args: argparse.Namespace) -> int:
@@ -176,15 +197,19 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: i
             .get("storage", 0)}
 
 
-STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds")
-"""VeriCache's store counters of a timed batch: pages read, their bytes, and the seconds the
-store's reads took (transfer and decode, in SGLang's prefetch thread)."""
+STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds",
+                   "declined_pages")
+"""VeriCache's store counters of a timed batch: pages read, their bytes, the seconds the
+store's reads took (transfer and decode, in SGLang's prefetch thread), and stored pages
+recomputed instead of read (`--vericache-store-reads auto`)."""
 
 
 def store_io(server: ServerProcess) -> dict:
     """VeriCache's store counters (`/server_info`); empty for plain SGLang."""
     states = server.server_info().get("internal_states") or [{}]
-    return states[0].get("vericache_state", {}).get("store_io", {})
+    state = states[0].get("vericache_state", {})
+    return {**state.get("store_io", {}),
+            "declined_pages": state.get("store_reads", {}).get("declined_pages", 0)}
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -234,7 +259,9 @@ def run_inside(args: argparse.Namespace) -> dict:
     tokens = pool_tokens(args)
     rows: list[dict] = []
     outputs: dict[tuple[str, float, int], list[list[int]]] = {}
-    with MooncakeService(segment_size=args.segment_mib << 20) as store:
+    lease_ms = lease_ttl_ms(args, kv_bytes_per_token(target, args.dtype))
+    with MooncakeService(segment_size=args.segment_mib << 20,
+                         master_args=[f"--default_kv_lease_ttl={lease_ms}"]) as store:
         for name in args.configs:
             flags = CONFIGS[name]
             reads_store = flags is not None
@@ -283,7 +310,8 @@ def run_inside(args: argparse.Namespace) -> dict:
             counts[0] += row["identical"]
             counts[1] += len(got)
     return {"rows": rows, "identical": identical, "kv_bytes_per_token":
-            kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens}
+            kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens,
+            "lease_ttl_ms": lease_ms}
 
 
 def ordinal(n: int) -> str:
@@ -307,7 +335,9 @@ def _table(results: dict, args: argparse.Namespace) -> str:
     lines = [f"Emulated link (tc htb on the store's data ports inside a network namespace, not "
              f"a real network): {rates} Mbit/s. Per request a different stored "
              f"{args.prefix_tokens}-token prefix + {QUESTION_TOKENS}-token question, "
-             f"{args.new_tokens} greedy tokens; {args.dtype} demo model; one run. Times are "
+             f"{args.new_tokens} greedy tokens; {args.dtype} demo model; device pool "
+             f"{results['pool_tokens']} tokens, host pool twice that; Mooncake read lease "
+             f"{results['lease_ttl_ms'] / 1000:g} s; one run. Times are "
              f"means over the batch's requests, from sending them; link MB = the bytes over "
              f"the link while the batch ran / batch size; storage hit per request; store "
              f"reads for the whole batch.", "",
@@ -321,6 +351,8 @@ def _table(results: dict, args: argparse.Namespace) -> str:
         read = r.get("store_read") or {}
         reads = (f"{read['read_codec_seconds']:.1f} ({read['read_coded_pages']})"
                  if read.get("read_coded_pages") else "-")
+        if read.get("declined_pages"):
+            reads += f", {read['declined_pages']} declined"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}"
         lines.append(
             f"| {r['rate_mbit']:g} | {r['batch']} | {r['config']} | {_seconds(r['first_s'])} | "

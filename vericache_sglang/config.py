@@ -189,8 +189,9 @@ class VeriCacheConfig:
         default=0,
         metadata={
             "help": "Child processes that code a KV store's pages (CacheGen streams) side by "
-            "side, so a Mooncake read decodes several pages at once and a prefix's decode keeps "
-            "up with its link; 0: one per CPU core, at most 4. Each child costs about 0.3 GB of "
+            "side, so a store's read (Mooncake or file) decodes several pages at once and a "
+            "prefix's decode keeps up with its link; 0: one per CPU core, at most 4. Each child "
+            "costs about 0.3 GB of "
             "private host memory and no device memory.",
         },
     )

@@ -107,14 +107,12 @@ class VeriCacheMetrics:
             "vericache:store_codec_seconds", "Time spent coding pages for the KV store "
             "(direction: written = encode, read = decode and checks).",
             labelnames=[*labels.keys(), "direction"])
-        self.store_reads_declined = Counter(
-            "vericache:store_reads_declined", "Stored pages not read because recomputing them "
-            "was measured to be faster (--vericache-store-reads auto).",
-            labelnames=list(labels.keys()))
-        self.reloaded_pages_installed = Counter(
-            "vericache:reloaded_pages_installed", "Compressed pool pages of reloaded prefixes "
-            "taken from their stored streams' pool level instead of quantized from the full KV.",
-            labelnames=list(labels.keys()))
+        self.store_reads_declined = counter(
+            "store_reads_declined", "Stored pages not read because recomputing them was "
+            "measured to be faster (--vericache-store-reads auto).")
+        self.reloaded_pages_installed = counter(
+            "reloaded_pages_installed", "Compressed pool pages of reloaded prefixes taken from "
+            "their stored streams' pool level instead of quantized from the full KV.")
         self._store_seen: dict[str, float] = {}
 
     def record_store(self, snapshot: dict, declined_pages: int = 0,
@@ -128,7 +126,7 @@ class VeriCacheMetrics:
             step = total - self._store_seen.get(name, 0)
             if step > 0:
                 self._store_seen[name] = total
-                counter.labels(**self._labels).inc(step)
+                counter.inc(step)
         running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
         running.update(snapshot["io"])
         for name, total in running.items():

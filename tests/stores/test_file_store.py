@@ -209,6 +209,10 @@ def _flat_page(keys: torch.Tensor, values: torch.Tensor, layout: str) -> torch.T
     return (kv if layout == "layer_first" else kv.transpose(1, 2)).contiguous().flatten()
 
 
+def _bits(page: torch.Tensor) -> torch.Tensor:
+    return page.view(torch.int16 if page.element_size() == 2 else torch.int32)
+
+
 @pytest.fixture(params=[("layer_first", torch.float32), ("page_first", torch.bfloat16)],
                 ids=lambda p: f"{p[0]}-{str(p[1]).removeprefix('torch.')}")
 def coded(request, tmp_path, model_kv):
@@ -232,12 +236,33 @@ def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exact
     assert len(data) < (0.92 if page.dtype == torch.float32 else 0.75) * raw, len(data) / raw
     target = torch.zeros_like(page)
     assert storage.get("a" * 64, target) is target
-    assert torch.equal(target.view(torch.int16 if page.element_size() == 2 else torch.int32),
-                       page.view(torch.int16 if page.element_size() == 2 else torch.int32))
+    assert torch.equal(_bits(target), _bits(page))
     after = STORE_STATS.snapshot()["io"]
     assert after["written_coded_bytes"] - before.get("written_coded_bytes", 0) == len(data)
     assert after["read_coded_pages"] - before.get("read_coded_pages", 0) == 1
     assert after["read_kv_bytes"] - before.get("read_kv_bytes", 0) == raw
+
+
+def test_a_batch_reads_pages_side_by_side_up_to_the_first_missing_one(coded):
+    """SGLang's prefetch reads a batch of pages with one `batch_get` and stops at the first
+    miss: the pages are read and decoded several at once, each comes back as its own bits, and
+    from the missing one on nothing is handed back or counted as read."""
+    storage, page = coded
+    keys = [f"{i + 16:064x}" for i in range(5)]
+    pages = [page.roll(7 * i) for i in range(5)]
+    for key, value in zip(keys, pages, strict=True):
+        assert storage.set(key, value)
+    _file(storage, keys[3]).unlink()
+    before, missing = STORE_STATS.snapshot()["io"], _faults("missing")
+    targets = [torch.zeros_like(page) for _ in keys]
+    got = storage.batch_get(keys, targets)
+    assert [t is target for t, target in zip(got[:3], targets[:3], strict=True)] == [True] * 3
+    assert got[3:] == [None, None]
+    for target, value in zip(targets[:3], pages[:3], strict=True):
+        assert torch.equal(_bits(target), _bits(value))
+    assert storage._window.in_flight > 1  # several pages in flight at once
+    assert STORE_STATS.snapshot()["io"]["read_coded_pages"] - before.get("read_coded_pages", 0) == 3
+    assert _faults("missing") == missing + 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flipped", "copied from another page"])

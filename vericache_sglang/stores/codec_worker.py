@@ -196,6 +196,8 @@ class CodecPool:
 
     def _call(self, method: str, *args: Any) -> Any:
         worker = self._idle.get()
+        while worker not in self._workers:  # idle when a resize dropped it: not used again
+            worker = self._idle.get()
         try:
             return getattr(worker, method)(*args)
         finally:

@@ -43,8 +43,8 @@ from .admission import ADMISSION
 from .pages import (
     STORE_STATS,
     PageCoder,
+    PageWindow,
     fault_kind,
-    start_codec_processes,
     store_reads_auto,
     vericache_compressor,
 )
@@ -74,6 +74,7 @@ class VeriCacheFileStorage(HiCacheFile):
         super().__init__(storage_config)
         self.compressor = compressor
         self._coder: PageCoder | None = None
+        self._window = PageWindow()
         self._page_tokens = 1
         self._written: set[str] = set()
         self._written_lock = threading.Lock()
@@ -92,7 +93,7 @@ class VeriCacheFileStorage(HiCacheFile):
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
                         "(levels %s bits, then the exact KV), coded by %d process(es)",
                         page_size, [sorted(set(level)) for level in self._coder.spec.levels],
-                        start_codec_processes())
+                        self._window.start())
         else:
             logger.info("VeriCache store: pages of %d token(s) are stored raw with a digest; "
                         "--page-size 64 stores each page as one CacheGen stream", page_size)
@@ -158,8 +159,43 @@ class VeriCacheFileStorage(HiCacheFile):
 
     def get(self, key: str, target_location: torch.Tensor,
             target_sizes: Any = None) -> torch.Tensor | None:
-        expected = target_location.numel() * target_location.element_size()
         began = time.perf_counter()
+        loaded = self._load(key, target_location)
+        if loaded is None:
+            return None
+        self._count_read(loaded, target_location, time.perf_counter() - began)
+        return target_location
+
+    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Coded pages read and decoded side by side (`PageWindow`), in order up to the first
+        that fails: SGLang's prefetch stops there, so the pages after it are not counted."""
+        if self._coder is None or target_locations is None:
+            return super().batch_get(keys, target_locations, target_sizes)
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        began = time.perf_counter()
+        loads = self._window.run(self._load, list(zip(keys, target_locations, strict=True)))
+        for i, load in enumerate(loads):
+            loaded = load.result()
+            if loaded is None:
+                break
+            now = time.perf_counter()
+            seconds, began = now - began, now  # the page's share of the batch: wall time
+            self._count_read(loaded, target_locations[i], seconds)
+            results[i] = target_locations[i]
+        loads.close()
+        return results
+
+    def _count_read(self, loaded: tuple[str, int], target: torch.Tensor,
+                    seconds: float) -> None:
+        form, stored = loaded
+        STORE_STATS.add("read", form, stored, target.numel() * target.element_size(), seconds)
+        ADMISSION.record_read(self._page_tokens, seconds)
+
+    def _load(self, key: str, target_location: torch.Tensor) -> tuple[str, int] | None:
+        """Page `key` checked and written into `target_location`: its form and stored bytes,
+        or None (a counted fault)."""
+        expected = target_location.numel() * target_location.element_size()
         if self._coder is not None:
             # A stream is smaller than the raw page, bar a few header bytes on noise.
             record = self._read(key, 2 * expected + 4096)
@@ -188,10 +224,7 @@ class VeriCacheFileStorage(HiCacheFile):
                 torch.frombuffer(record, dtype=torch.uint8, count=expected))
             form = "raw"
         self._evictor.touch(self._get_suffixed_key(key), self._path(key))
-        seconds = time.perf_counter() - began
-        STORE_STATS.add("read", form, len(record), expected, seconds)
-        ADMISSION.record_read(self._page_tokens, seconds)
-        return target_location
+        return form, len(record)
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:

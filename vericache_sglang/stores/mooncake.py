@@ -29,9 +29,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,8 +41,8 @@ from .admission import ADMISSION
 from .pages import (
     STORE_STATS,
     PageCoder,
+    PageWindow,
     fault_kind,
-    start_codec_processes,
     store_reads_auto,
     vericache_compressor,
 )
@@ -98,8 +95,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         super().__init__(storage_config, mem_pool)
         self.compressor = compressor
         self._coder: PageCoder | None = None
-        self._workers: ThreadPoolExecutor | None = None
-        self._in_flight = 1
+        self._window = PageWindow()
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -112,12 +108,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
             logger.info("VeriCache Mooncake store: pages of %d token(s) stored raw, as SGLang "
                         "stores them (--page-size 64 codes them)", mem_pool_host.page_size)
             return
-        # one page coding per codec process, and one more in transfer
-        self._in_flight = start_codec_processes() + 1
-        self._workers = ThreadPoolExecutor(self._in_flight,
-                                           thread_name_prefix="vericache-store-io")
+        self._window.start()
         logger.info("VeriCache Mooncake store: pages of %d tokens stored as CacheGen streams, "
-                    "read %d at a time", mem_pool_host.page_size, self._in_flight)
+                    "read %d at a time", mem_pool_host.page_size, self._window.in_flight)
 
     def _coded_keys(self, keys: list[str]) -> list[str]:
         return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
@@ -146,7 +139,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         stored = self._batch_exist(names)
         todo = [(name, host_indices[i * page].item()) for i, name in enumerate(names)
                 if stored[i] != 1]
-        coded = self._windowed(self._encode, todo)
+        coded = self._window.run(self._encode, todo)
         results = []
         for i, name in enumerate(names):
             if stored[i] == 1:
@@ -181,7 +174,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         results = [False] * len(keys)
         names = self._coded_keys(keys)
         began = time.perf_counter()
-        reads = self._windowed(self._read, list(zip(names, keys, strict=True)))
+        reads = self._window.run(self._read, list(zip(names, keys, strict=True)))
         for i, (name, read) in enumerate(zip(names, reads, strict=True)):
             try:
                 blob, target = read.result()
@@ -212,25 +205,3 @@ class VeriCacheMooncakeStore(MooncakeStore):
         target = self.mem_pool_host.get_dummy_flat_data_page()
         self._coder.decode(memoryview(blob), name, target, page_key=page_key)
         return blob, target
-
-    def _windowed(self, job: Callable[..., Any], items: list[tuple]) -> Iterator[Future]:
-        """`job(*item)` for each item, as futures in order, with up to `_in_flight` running at
-        once: a page's transfer (Mooncake's `get` and `put` release the GIL) and its coding (in
-        a codec process) overlap other pages', so a batch takes about the slower of the link
-        and the coders, not their sum. Jobs past where the caller stops (closing the iterator)
-        are cancelled, or run out unused."""
-        pending: deque[Future] = deque()
-        upcoming = iter(items)
-        try:
-            while True:
-                while len(pending) < self._in_flight:
-                    item = next(upcoming, None)
-                    if item is None:
-                        break
-                    pending.append(self._workers.submit(job, *item))
-                if not pending:
-                    return
-                yield pending.popleft()
-        finally:
-            for future in pending:
-                future.cancel()

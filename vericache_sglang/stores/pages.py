@@ -1,15 +1,19 @@
-"""What every VeriCache store shares: the coded page form and the storage counters.
+"""What every VeriCache store shares: the coded page form, pages coded side by side, and the
+storage counters.
 
 `PageCoder` turns a host pool's flat page (SGLang's `get_data_page` layout) into one CacheGen
-stream (`vericache_sglang.codec`) and back; `STORE_STATS` counts, per process, pages, bytes and
-codec time by direction and form, and faults by kind (`/metrics`, `/server_info`).
+stream (`vericache_sglang.codec`) and back; `PageWindow` runs a batch's page jobs several at once
+and hands them back in order; `STORE_STATS` counts, per process, pages, bytes and codec time by
+direction and form, and faults by kind (`/metrics`, `/server_info`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -154,6 +158,45 @@ def start_codec_processes() -> int:
     CODEC_WORKER.resize(served_config().vericache_store_codec_processes)
     CODEC_WORKER.start()
     return CODEC_WORKER.size
+
+
+class PageWindow:
+    """A batch's page jobs (read or write, then code), several at once, handed back in order: a
+    page's transfer (file reads and Mooncake's `get` and `put` release the GIL) and its coding
+    (in a codec process) overlap other pages', so a batch takes about the slower of the
+    transfer and the coders, not their sum. One job per codec process runs, and one more in
+    transfer."""
+
+    def __init__(self) -> None:
+        self.in_flight = 1
+        self._workers: ThreadPoolExecutor | None = None
+
+    def start(self) -> int:
+        """Start this process's codec processes (`start_codec_processes`); how many."""
+        processes = start_codec_processes()
+        self.in_flight = processes + 1
+        self._workers = ThreadPoolExecutor(self.in_flight,
+                                           thread_name_prefix="vericache-store-io")
+        return processes
+
+    def run(self, job: Callable[..., Any], items: list[tuple]) -> Iterator[Future]:
+        """`job(*item)` for each item, as futures in order. Jobs past where the caller stops
+        (closing the iterator) are cancelled, or run out unused."""
+        pending: deque[Future] = deque()
+        upcoming = iter(items)
+        try:
+            while True:
+                while len(pending) < self.in_flight:
+                    item = next(upcoming, None)
+                    if item is None:
+                        break
+                    pending.append(self._workers.submit(job, *item))
+                if not pending:
+                    return
+                yield pending.popleft()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def vericache_compressor() -> str | None:

@@ -1,0 +1,70 @@
+"""A stored prefix behind an emulated link so slow that recomputing it wins: a VeriCache server
+with `--vericache-store-reads auto` recomputes it (counted), and its output is plain SGLang's.
+
+The scenario is `bench.remote_prefix`'s, at a small size (the same code the issue's benchmark
+runs, so the test and the table measure one thing): a Mooncake store, VeriCache server A storing
+two 640-token prefixes and a 640-token warm-up per rate, then server B, inside a network
+namespace whose loopback caps the store's data ports (`stores/shaped_link.py`; emulation, not a
+real network). B answers each rate's warm-up (measuring its reads on that link) and then a
+stored prefix plus a question: first at 1,000 Mbit/s, then at 20 Mbit/s, where a 64-token coded
+page (2.6 MB in float32) takes about a second to arrive and prefilling its tokens about a
+fifth of that. Plain SGLang without a store answers the same requests, the reference. Skips, saying
+why, where no namespace can be made or Mooncake cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.remote_prefix import PAGE_SIZE
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+
+PREFIX_TOKENS = 640
+FAST_MBIT, SLOW_MBIT = 1000, 20
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, demo_model) -> dict:
+    out = tmp_path_factory.mktemp("remote_prefix") / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.remote_prefix", "--model", str(demo_model),
+         "--prefix-tokens", str(PREFIX_TOKENS), "--rates-mbit", str(FAST_MBIT), str(SLOW_MBIT),
+         "--batch", "1", "--new-tokens", "8", "--configs", "recompute", "vericache-auto",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=1000, cwd=Path(__file__).parents[2])
+    if done.returncode == 2 and "cannot run here" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    print("\n" + done.stdout[-2500:])
+    rows = json.loads(out.read_text())["results"]["rows"]
+    return {(row["config"], row["rate_mbit"]): row for row in rows}
+
+
+def test_a_slow_link_makes_the_server_recompute_the_stored_prefix(measured):
+    slow = measured[("vericache-auto", SLOW_MBIT)]
+    assert slow["identical"] == slow["compared"] == 1
+    assert slow["storage_hit"] == 0
+    # Every stored page of the prefix was declined, counted; none crossed the link.
+    assert slow["store_read"]["declined_pages"] == PREFIX_TOKENS // PAGE_SIZE
+    assert slow["store_read"]["read_coded_pages"] == 0
+    assert slow["link_bytes_per_request"] < 200_000  # lookups only; a coded page is 2.6 MB
+
+
+def test_on_the_fast_link_the_choice_is_counted_either_way(measured):
+    """Whether reading beats prefilling at 1 Gbit/s depends on this CPU's decode speed; what
+    must hold is that the stored pages were either read or declined, all of them, and the
+    output is the same."""
+    fast = measured[("vericache-auto", FAST_MBIT)]
+    assert fast["identical"] == fast["compared"] == 1
+    read = fast["store_read"]
+    if fast["storage_hit"]:
+        assert fast["storage_hit"] == PREFIX_TOKENS and read["declined_pages"] == 0
+        assert read["read_coded_pages"] >= PREFIX_TOKENS // PAGE_SIZE
+    else:
+        assert read["declined_pages"] == PREFIX_TOKENS // PAGE_SIZE
