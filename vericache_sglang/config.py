@@ -191,8 +191,7 @@ class VeriCacheConfig:
             "help": "Child processes that code a KV store's pages (CacheGen streams) side by "
             "side, so a store's read (Mooncake or file) decodes several pages at once and a "
             "prefix's decode keeps up with its link; 0: one per CPU core, at most 4. Each child "
-            "costs about 0.3 GB of "
-            "private host memory and no device memory.",
+            "costs about 0.3 GB of private host memory and no device memory.",
         },
     )
 

@@ -153,13 +153,6 @@ def store_reads_auto() -> bool:
     return config.enable_vericache and config.vericache_store_reads == "auto"
 
 
-def start_codec_processes() -> int:
-    """Size this process's page coders from its server's flags and start them; how many."""
-    CODEC_WORKER.resize(served_config().vericache_store_codec_processes)
-    CODEC_WORKER.start()
-    return CODEC_WORKER.size
-
-
 class PageWindow:
     """A batch's page jobs (read or write, then code), several at once, handed back in order: a
     page's transfer (file reads and Mooncake's `get` and `put` release the GIL) and its coding
@@ -172,8 +165,11 @@ class PageWindow:
         self._workers: ThreadPoolExecutor | None = None
 
     def start(self) -> int:
-        """Start this process's codec processes (`start_codec_processes`); how many."""
-        processes = start_codec_processes()
+        """Size this process's codec processes from its server's flags
+        (`--vericache-store-codec-processes`) and start them; how many."""
+        CODEC_WORKER.resize(served_config().vericache_store_codec_processes)
+        CODEC_WORKER.start()
+        processes = CODEC_WORKER.size
         self.in_flight = processes + 1
         self._workers = ThreadPoolExecutor(self.in_flight,
                                            thread_name_prefix="vericache-store-io")
