@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.stores.test_file_store import _flat_page, _host_pool
-from vericache_sglang.codec import StreamError
+from vericache_sglang.codec import StreamError, decode_chunk
 from vericache_sglang.stores.codec_worker import CODEC_WORKER
 from vericache_sglang.stores.pages import PageCoder
 
@@ -95,3 +95,16 @@ def test_pages_are_coded_side_by_side_in_separate_children(page):
     assert all(_same(k, keys) and _same(v, values) for k, v, _ in decoded)
     assert encoded == [blob] * 4
     assert CODEC_WORKER.pids() == pids  # no child died or was replaced
+
+
+def test_a_stream_splits_into_its_drafting_and_exact_parts(page):
+    """The drafting part alone decodes the pool level; joined, the parts are the stream."""
+    coder, blob, _ = page
+    head, tail = PageCoder.split(blob)
+    assert head + tail == blob and 0 < len(head) < len(tail) + len(head)
+    levels = decode_chunk(head, level=len(coder.spec.levels) - 1, key=b"page-key")
+    exact = coder.decode_page(blob, "page-key")
+    for mine, theirs in zip(levels.tiers, exact[2], strict=True):
+        assert all(_same(a, b) for a, b in zip(mine.tensors(), theirs.tensors(), strict=True))
+    with pytest.raises(StreamError):
+        coder.decode_page(head, "page-key")  # the exact part is missing

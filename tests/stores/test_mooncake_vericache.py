@@ -116,13 +116,13 @@ def stored(store, demo_model, prompts) -> dict:
         keys_before = store.wait_keys(0)
         bytes_before = store.stored_bytes()
         first = a.generate(_request(prompts["prompt"]))
-        # One object per page, written behind the answer: all must be there before A stops.
-        keys = store.wait_keys(keys_before + PAGES) - keys_before
+        # Two objects per page, written behind the answer: all must be there before A stops.
+        keys = store.wait_keys(keys_before + 2 * PAGES) - keys_before
         written = _state(a)["store_io"]
         stored_bytes = store.stored_bytes() - bytes_before
         for name in ("other", "other2"):
             a.generate(_request(prompts[name]))
-        store.wait_keys(keys_before + PAGES + 2 * OTHER_TOKENS // PAGE_SIZE)
+        store.wait_keys(keys_before + 2 * (PAGES + 2 * OTHER_TOKENS // PAGE_SIZE))
     return {"first": first, "keys": keys, "written": written, "bytes": stored_bytes}
 
 
@@ -144,13 +144,13 @@ def server_b(reference, store, demo_model) -> Iterator[ServerProcess]:
         yield b
 
 
-def test_each_page_is_one_coded_object(stored):
+def test_each_page_is_two_coded_objects(stored):
     raw = PAGES * PAGE_SIZE * FULL_KV_BYTES_PER_TOKEN
     print(f"\n[mooncake coded] {stored['keys']} objects, "
           f"{stored['bytes'] / (PAGES * PAGE_SIZE):.0f} B per token "
           f"({stored['bytes'] / raw:.3f} of raw float32)")
     assert stored["first"]["meta_info"]["cached_tokens"] == 0
-    assert stored["keys"] == PAGES
+    assert stored["keys"] == 2 * PAGES  # the drafting part and the exact part
     assert stored["written"]["written_coded_pages"] >= PAGES
     assert stored["bytes"] < 0.95 * raw
 

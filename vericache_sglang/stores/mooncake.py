@@ -4,10 +4,13 @@ The plugin registers `MooncakeBackend` under SGLang's own name `mooncake`, so
 `--hicache-storage-backend mooncake` beside `--enable-vericache` gets it with SGLang's own flags
 and extra config; a server without VeriCache gets SGLang's `MooncakeStore` itself.
 
-With pages of a multiple of the codec group (`--page-size 64`) each page is stored as one object,
-`<key>_<rank>_c`: the page's CacheGen stream (`pages.PageCoder`: the compressed pool's levels,
-then the exact K/V, digests keyed by the object's key), about 0.9 of the float32 bytes (0.7 of
-bf16) instead of SGLang's two raw objects `<key>_<rank>_k` and `_v`. A plain SGLang server on
+With pages of a multiple of the codec group (`--page-size 64`) each page's CacheGen stream
+(`pages.PageCoder`: the compressed pool's levels, then the exact K/V, digests keyed by the
+stream's name `<key>_<rank>_c`) is stored as two objects: `<key>_<rank>_d`, the header and the
+lossy levels (what drafting reads: about a fifth of a float32 page, half of a bf16 one), and
+`<key>_<rank>_x`, the exact part; about 0.9 of the float32 bytes (0.75 of bf16) in all, instead
+of SGLang's two raw objects `<key>_<rank>_k` and `_v`. A page is stored once its exact object
+is (it is written last). A plain SGLang server on
 the same store finds no `_k` / `_v` objects for those pages and prefills them: it skips them
 cleanly, and VeriCache skips the plain server's raw pages the same way. Other page sizes are
 stored as SGLang stores them (raw, zero-copy).
@@ -113,7 +116,15 @@ class VeriCacheMooncakeStore(MooncakeStore):
                     "read %d at a time", mem_pool_host.page_size, self._window.in_flight)
 
     def _coded_keys(self, keys: list[str]) -> list[str]:
+        """Each page's stream name; its objects are the name's `_d` and `_x` forms
+        (`_objects`)."""
         return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
+
+    @staticmethod
+    def _objects(name: str) -> tuple[str, str]:
+        """The drafting and the exact object of stream `name`."""
+        base = name.removesuffix("_c")
+        return f"{base}_d", f"{base}_x"
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Stored pages at the front of `keys`, or none where recomputing them is measured to
@@ -124,7 +135,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
 
     def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
-        found = self._batch_exist(names)
+        found = self._batch_exist([self._objects(name)[1] for name in names])
         hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
         if hits < len(keys) and found[hits] < 0:  # an error code: the store is unreachable
             STORE_STATS.record("read_error", names[hits], f"lookup failed ({found[hits]})")
@@ -136,7 +147,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return super().batch_set_v1(keys, host_indices, extra_info)
         page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
-        stored = self._batch_exist(names)
+        stored = self._batch_exist([self._objects(name)[1] for name in names])
         todo = [(name, host_indices[i * page].item()) for i, name in enumerate(names)
                 if stored[i] != 1]
         coded = self._window.run(self._encode, todo)
@@ -146,7 +157,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 results.append(True)
                 continue
             blob, kv_bytes, seconds = next(coded).result()
-            code = self.store.put(name, blob)
+            code = self._put(name, blob)
             if code != 0:
                 STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
                 results.append(False)
@@ -158,6 +169,13 @@ class VeriCacheMooncakeStore(MooncakeStore):
             results.append(True)
         coded.close()
         return results
+
+    def _put(self, name: str, blob: bytes) -> int:
+        """Store stream `name` as its two objects, the exact one last; Mooncake's code."""
+        drafting, exact = self._objects(name)
+        head, tail = PageCoder.split(blob)
+        code = self.store.put(drafting, head)
+        return code if code != 0 else self.store.put(exact, tail)
 
     def _encode(self, name: str, index: int) -> tuple[bytes, int, float]:
         """The stream of the host page at `index`, its KV bytes and the seconds coding took."""
@@ -180,7 +198,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 blob, target = read.result()
             except StreamError as e:
                 STORE_STATS.record(fault_kind(e), name, str(e))
-                self.store.remove(name)  # written again by a later backup
+                for part in self._objects(name):  # written again by a later backup
+                    self.store.remove(part)
                 break
             if not blob:
                 STORE_STATS.record("missing", name, "the store has no such object")
@@ -199,9 +218,10 @@ class VeriCacheMooncakeStore(MooncakeStore):
     def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None]:
         """Page `name`'s object and its exact KV as a flat host page (None, None: no object);
         raises `StreamError` for a stream that does not decode."""
-        blob = self.store.get(name)
-        if not blob:
+        head, tail = (self.store.get(part) for part in self._objects(name))
+        if not head or not tail:
             return None, None
+        blob = head + tail
         target = self.mem_pool_host.get_dummy_flat_data_page()
         self._coder.decode(memoryview(blob), name, target, page_key=page_key)
         return blob, target

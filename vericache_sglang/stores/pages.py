@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from vericache_sglang.codec import CodecSpec, StreamError, decode_chunk, encode_chunk
+from vericache_sglang.codec import (
+    CodecSpec,
+    StreamError,
+    decode_chunk,
+    encode_chunk,
+    prefix_length,
+    read_header,
+)
 from vericache_sglang.codec.exact import FORMATS
 from vericache_sglang.compress.kivi import Kivi
 from vericache_sglang.compress.quant import KiviQuantizer
@@ -119,6 +126,16 @@ class PageCoder:
     def encode_page(self, flat: torch.Tensor, key: str) -> bytes:
         kv = self._kv(flat)
         return encode_chunk(kv[0], kv[1], self.spec, key.encode())
+
+    @staticmethod
+    def split(blob: bytes) -> tuple[bytes, bytes]:
+        """`blob` as (drafting part, exact part): the header with every lossy level (what
+        drafting reads, about a fifth of a float32 page and half of a bf16 one), and the exact
+        KV after it. Stored as two objects, so the first can arrive alone; joined again they
+        are the stream."""
+        header, _ = read_header(blob)
+        cut = prefix_length(header, len(header.levels))
+        return blob[:cut], blob[cut:]
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
                page_key: str | None = None) -> None:
