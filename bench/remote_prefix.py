@@ -83,6 +83,7 @@ CONFIGS = {
     "hicache": [],
     "vericache": VERICACHE,
     "vericache-auto": [*VERICACHE, "--vericache-store-reads", "auto"],
+    "vericache-early": [*VERICACHE, "--vericache-early-drafting"],
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
 
@@ -198,7 +199,9 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: i
 
 
 STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds",
-                   "declined_pages")
+                   "declined_pages", "read_drafting_pages", "read_drafting_bytes",
+                   "read_exact_pages", "read_exact_bytes", "early_drafts", "stash_accepted",
+                   "barrier_wait_seconds")
 """VeriCache's store counters of a timed batch: pages read, their bytes, the seconds the
 store's reads took (transfer and decode, in SGLang's prefetch thread), and stored pages
 recomputed instead of read (`--vericache-store-reads auto`)."""
@@ -208,7 +211,7 @@ def store_io(server: ServerProcess) -> dict:
     """VeriCache's store counters (`/server_info`); empty for plain SGLang."""
     states = server.server_info().get("internal_states") or [{}]
     state = states[0].get("vericache_state", {})
-    return {**state.get("store_io", {}),
+    return {**state.get("store_io", {}), **state.get("early_drafting", {}),
             "declined_pages": state.get("store_reads", {}).get("declined_pages", 0)}
 
 

@@ -195,6 +195,19 @@ class VeriCacheConfig:
         },
     )
 
+    vericache_early_drafting: bool = field(
+        default=False,
+        metadata={
+            "help": "With a Mooncake store (--hicache-storage-backend mooncake, --page-size a "
+            "multiple of 64, a KIVI compressor without a recent band): answer SGLang's prefetch "
+            "once a stored page's drafting level (about a fifth of a float32 page) has arrived, "
+            "and fetch its exact part behind it; a request whose prefix comes from the store "
+            "drafts over the compressed KV while the exact KV arrives, and its first output "
+            "token comes from a forward over the exact KV (lossless). Counted in "
+            "/server_info vericache_state.early_drafting.",
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in ("vericache_draft_length", "vericache_min_draft_length",
                      "vericache_max_draft_length"):

@@ -31,6 +31,7 @@ from vericache_sglang.hooks import hook
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
+from vericache_sglang.stores.pending import check_early_drafting
 from vericache_sglang.tiers import budget, disk, placement
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,11 @@ def _configure(server_args: Any) -> None:
     configure_spec(server_args)
     placement.resolve(server_args)
     disk.configure(server_args)
+    config = get_config(server_args)
+    if config.enable_vericache:
+        problem = check_early_drafting(server_args, config)
+        if problem is not None:
+            raise startup.error(problem)
 
 
 def register() -> None:

@@ -89,6 +89,26 @@ def first_position_forward_batch(batch, round_: Round) -> ForwardBatch:
     )
 
 
+def extend_forward_batch(input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
+                         seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                         positions: torch.Tensor) -> ForwardBatch:
+    """An extend of whole sequences over no cached prefix (recomputing a prefix's KV into
+    its slots, `early.py`)."""
+    lens_cpu = seq_lens.cpu()
+    starts = torch.cumsum(seq_lens, 0) - seq_lens
+    return _forward_batch(
+        ForwardMode.EXTEND, input_ids=input_ids, req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens, seq_lens_cpu=lens_cpu, out_cache_loc=out_cache_loc,
+        positions=positions, extend_num_tokens=int(lens_cpu.sum()),
+        extend_seq_lens=seq_lens.to(torch.int32), extend_prefix_lens=torch.zeros_like(
+            seq_lens, dtype=torch.int32), extend_start_loc=starts.to(torch.int32),
+        extend_seq_lens_cpu=lens_cpu.tolist(), extend_prefix_lens_cpu=[0] * len(lens_cpu),
+        extend_logprob_start_lens_cpu=lens_cpu.tolist(),
+        spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
+        capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
+    )
+
+
 class TargetForwards:
     """Runs the target model's forwards through an attention backend chosen per forward."""
 

@@ -23,8 +23,12 @@ DRAFTER_PROPOSED_KEY = "vericache_drafter_proposed"
 DRAFTER_KEPT_KEY = "vericache_drafter_kept"
 """Of those, the tokens level 1 kept as drafts."""
 
+EARLY_DRAFTS_KEY = "vericache_early_drafts"
+"""Tokens drafted for the request before its stored prefix's exact KV had arrived
+(`--vericache-early-drafting`)."""
+
 REQUEST_LEVEL_KEYS = frozenset({READ_BYTES_KEY, DRAFT_FORWARDS_KEY, DRAFTER_PROPOSED_KEY,
-                                DRAFTER_KEPT_KEY})
+                                DRAFTER_KEPT_KEY, EARLY_DRAFTS_KEY})
 TARGET = ("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
           ".is_request_level_customized_info_key")
 

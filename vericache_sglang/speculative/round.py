@@ -49,6 +49,8 @@ class Round:
     """Tokens the level-2 drafter proposed for each request."""
     kept: list[int] = field(default_factory=list)
     """Of those, the tokens level 1 kept as drafts."""
+    stashed: bool = False
+    """The drafts are the requests' stashes, made before the exact KV (`early.py`)."""
 
     def chain(self) -> torch.Tensor:
         """[bs, k + 1]: t0, d1..dk."""

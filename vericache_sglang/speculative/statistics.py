@@ -23,6 +23,15 @@ class WorkerStats:
         self.peak_running_requests = 0
         self._pages_reported = 0  # pool pages compressed that /metrics already counts
         self._settling: list[bool] = []  # per request of the last step: a verified round
+        # Drafting before a stored prefix's exact KV (early.py).
+        self.early_prefills = self.early_drafts = 0
+        self.stash_verified = self.stash_accepted = 0
+
+    def early_report(self) -> dict[str, int]:
+        """Prefills that drafted before their exact KV, their drafts, and how many of those
+        later rounds verified and accepted."""
+        return {"early_prefills": self.early_prefills, "early_drafts": self.early_drafts,
+                "stash_verified": self.stash_verified, "stash_accepted": self.stash_accepted}
 
     def peak(self, round_bytes: int) -> None:
         """Note a round's buffer bytes."""

@@ -55,6 +55,12 @@ from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.speculative.backends import RoundBackends
 from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.drafting import draft_stacked, draft_steps
+from vericache_sglang.speculative.early import (
+    Stash,
+    can_draft_early,
+    draft_early,
+    recompute_prefixes,
+)
 from vericache_sglang.speculative.eligibility import drafting_rows
 from vericache_sglang.speculative.forwards import TargetForwards
 from vericache_sglang.speculative.grammar import RoundGrammar
@@ -63,6 +69,7 @@ from vericache_sglang.speculative.meta_info import (
     DRAFT_FORWARDS_KEY,
     DRAFTER_KEPT_KEY,
     DRAFTER_PROPOSED_KEY,
+    EARLY_DRAFTS_KEY,
     READ_BYTES_KEY,
 )
 from vericache_sglang.speculative.penalties import PenaltyStates, RoundPenalties
@@ -73,6 +80,7 @@ from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_inf
 from vericache_sglang.speculative.verification import judge, verify, write_logprobs
 from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.pages import STORE_STATS
+from vericache_sglang.stores.pending import PENDING
 from vericache_sglang.stores.reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -119,6 +127,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.speculative_num_steps = self.max_draft_length
         self.topk = 1
         self.placement = config.vericache_full_tier
+        self.stash = Stash()
         # Built in init_attention_backends(), once the target's KV pools exist.
         self.backends: RoundBackends | None = None
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
@@ -172,6 +181,7 @@ class VeriCacheWorker(BaseSpecWorker):
             "store_io": store["io"],
             "store_reads": ADMISSION.snapshot(),
             "reloaded_pages": RELOADED.snapshot(),
+            "early_drafting": {**PENDING.snapshot(), **stats.early_report()},
             "compressed_pages_quantized": backends.compressed_pages,
         }
 
@@ -183,6 +193,8 @@ class VeriCacheWorker(BaseSpecWorker):
         if self.backends is not None:
             self.backends.reset_tier()
         self._owners.clear()
+        self.stash.clear()
+        PENDING.clear()
         if self.drafter is not None:
             self.drafter.reset()
         self._publish_sizes()
@@ -194,6 +206,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self._release(slot)
         self.policy.forget(rid)
         self.drafter_policy.forget(rid)
+        self.stash.forget(rid)
         self.penalty_states.forget(rid)
         if self.drafter is not None:
             self.drafter.forget(rid)
@@ -212,8 +225,12 @@ class VeriCacheWorker(BaseSpecWorker):
         self.backends.tier.new_step()
         self._track_owners(batch)
         full = self.backends.full
+        early = self._before_exact_kv(batch)
         try:
-            if batch.forward_mode.is_decode():
+            if early is not None:
+                result = self._prefill(batch)
+                self._keep_early_drafts(batch, early, result)
+            elif batch.forward_mode.is_decode():
                 result = self._decode(batch)
             elif batch.forward_mode.is_extend():
                 result = self._prefill(batch)
@@ -235,6 +252,47 @@ class VeriCacheWorker(BaseSpecWorker):
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         return result
+
+    # -- a stored prefix whose exact KV is still arriving (speculative/early.py) --------------
+    def _before_exact_kv(self, batch) -> list[list[int]] | None:
+        """Write the exact KV of stored pages that arrived into their host pages and device
+        slots. Before a forward reads a page still waiting, wait for it (the barrier): a
+        prefill that may drafts over the compressed tier meanwhile, and its drafts (per
+        request) are returned."""
+        if not PENDING.enabled:
+            return None
+        drafts = None
+        if PENDING.on_device():
+            if batch.forward_mode.is_extend() and can_draft_early(batch):
+                drafts = draft_early(self.forwards, self.backends.draft, batch,
+                                     lambda: not PENDING.device_ready())
+            settled = PENDING.settle(block=True)
+        else:
+            settled = PENDING.settle(block=False)
+        pool = self.model_runner.token_to_kv_pool
+        if settled.writes and str(self.device).startswith("cuda"):
+            # SGLang's host-to-device load of these pages runs on its own stream; it read
+            # the host page before or after its exact KV came: write the slots after it
+            # (not yet run on a GPU).
+            torch.cuda.synchronize()
+        for slots, kv in settled.writes:
+            index = slots.to(torch.int64).to(self.device)
+            for layer in range(kv.shape[1]):
+                pool.k_buffer[layer][index] = kv[0, layer].to(self.device)
+                pool.v_buffer[layer][index] = kv[1, layer].to(self.device)
+        if settled.failed:
+            recompute_prefixes(self.forwards, batch, settled.failed)
+        return drafts
+
+    def _keep_early_drafts(self, batch, drafts: list[list[int]],
+                           result: GenerationBatchResult) -> None:
+        """Keep the drafts that follow each request's first token as its stash."""
+        first = result.next_token_ids.reshape(-1).tolist()
+        for req, chain, token in zip(batch.reqs, drafts, first, strict=True):
+            self.stash.keep(req.rid, chain, token)
+            add_to_meta_info(req, EARLY_DRAFTS_KEY, len(chain))
+        self.stats.early_drafts += sum(map(len, drafts))
+        self.stats.early_prefills += 1
 
     # -- request lifetime ----------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -313,7 +371,10 @@ class VeriCacheWorker(BaseSpecWorker):
             return self._plain_decode(batch, committed, committed_cpu, bonus)
         round_ = self._plan_round(batch, committed, committed_cpu, bonus)
         backends = self.backends
-        if self.drafter is not None and round_.k > 0:
+        if round_.stashed:
+            round_.tokens += self.stash.take([req.rid for req in batch.reqs], round_.k,
+                                             committed.device)
+        elif self.drafter is not None and round_.k > 0:
             draft_stacked(self.forwards, backends.draft, self.drafter, self.drafter_policy,
                           batch, round_)
         else:
@@ -335,6 +396,12 @@ class VeriCacheWorker(BaseSpecWorker):
         drafting = [i for i, d in enumerate(drafts) if d]
         k = (min(self.policy.batch_length([batch.reqs[i].rid for i in drafting]),
                  max(rooms[i] for i in drafting) - 1) if drafting else 0)
+        # Drafts made before the exact KV (early.py): verified without drafting, while every
+        # request of the batch has some and drafts.
+        stashed = (len(drafting) == len(rooms)
+                   and self.stash.length([req.rid for req in batch.reqs]))
+        if stashed:
+            k = min(stashed, self.max_draft_length, max(rooms) - 1)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
         locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
@@ -349,7 +416,7 @@ class VeriCacheWorker(BaseSpecWorker):
             grammar=RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, k + 1),
             penalties=RoundPenalties.for_batch(self.penalty_states, batch),
             rows=SamplingRows.from_sampling_info(batch.sampling_info), drafts=drafts,
-            forwards=[0] * bs, proposed=[0] * bs, kept=[0] * bs,
+            forwards=[0] * bs, proposed=[0] * bs, kept=[0] * bs, stashed=bool(stashed) and k > 0,
         )
 
     def _accept(self, batch, round_: Round, logits_output) -> GenerationBatchResult:
@@ -375,6 +442,12 @@ class VeriCacheWorker(BaseSpecWorker):
         if batch.return_logprob:
             write_logprobs(batch, round_, logits_output, verdict)
         new_bonus = verdict.target.gather(1, accepted[:, None]).squeeze(1)
+        if round_.stashed:
+            for req, a, b in zip(batch.reqs, accepted.tolist(), new_bonus.tolist(),
+                                 strict=True):
+                self.stash.advance(req.rid, k, a, b)
+                self.stats.stash_verified += k
+                self.stats.stash_accepted += a
         for i, req in enumerate(batch.reqs):
             add_to_meta_info(req, DRAFT_FORWARDS_KEY, round_.forwards[i])
             if self.drafter is not None:

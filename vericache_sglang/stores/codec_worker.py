@@ -40,7 +40,8 @@ Wire = tuple[bytes, str, tuple[int, ...]]
 torch's shared-memory reductions."""
 
 Decoded = tuple[torch.Tensor, torch.Tensor, list[QuantTier]]
-"""A page's exact keys and values [L, page, H, D], and its pool-level codes per layer."""
+"""A page's keys and values [L, page, H, D] (exact, or the drafting level's reconstruction),
+and its pool-level codes per layer."""
 
 
 class PageCodec(Protocol):
@@ -48,7 +49,8 @@ class PageCodec(Protocol):
 
     def encode_page(self, flat: torch.Tensor, key: str) -> bytes: ...
 
-    def decode_page(self, blob: bytes | memoryview, key: str) -> Decoded: ...
+    def decode_page(self, blob: bytes | memoryview, key: str,
+                    drafting: bool = False) -> Decoded: ...
 
 
 def to_wire(tensor: torch.Tensor) -> Wire:
@@ -70,8 +72,9 @@ def _encode(coder: PageCodec, flat: Wire, key: str) -> bytes:
     return coder.encode_page(from_wire(flat), key)
 
 
-def _decode(coder: PageCodec, blob: bytes, key: str) -> tuple[Wire, Wire, list]:
-    keys, values, tiers = coder.decode_page(blob, key)
+def _decode(coder: PageCodec, blob: bytes, key: str,
+            drafting: bool) -> tuple[Wire, Wire, list]:
+    keys, values, tiers = coder.decode_page(blob, key, drafting)
     return to_wire(keys), to_wire(values), [
         (tier.bits, [to_wire(t) for t in tier.tensors()]) for tier in tiers]
 
@@ -147,12 +150,13 @@ class CodecWorker:
         except _ChildGone:
             return coder.encode_page(flat, key)
 
-    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str) -> Decoded:
-        """`coder.decode_page(blob, key)`, run in the child."""
+    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str,
+               drafting: bool = False) -> Decoded:
+        """`coder.decode_page(blob, key, drafting)`, run in the child."""
         try:
-            keys, values, tiers = self._run(_decode, coder, bytes(blob), key)
+            keys, values, tiers = self._run(_decode, coder, bytes(blob), key, drafting)
         except _ChildGone:
-            return coder.decode_page(blob, key)
+            return coder.decode_page(blob, key, drafting)
         return from_wire(keys), from_wire(values), [
             QuantTier(bits, *(from_wire(t) for t in tensors)) for bits, tensors in tiers]
 
@@ -208,9 +212,10 @@ class CodecPool:
         """`coder.encode_page(flat, key)`, run in an idle child."""
         return self._call("encode", coder, flat, key)
 
-    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str) -> Decoded:
-        """`coder.decode_page(blob, key)`, run in an idle child."""
-        return self._call("decode", coder, blob, key)
+    def decode(self, coder: PageCodec, blob: bytes | memoryview, key: str,
+               drafting: bool = False) -> Decoded:
+        """`coder.decode_page(blob, key, drafting)`, run in an idle child."""
+        return self._call("decode", coder, blob, key, drafting)
 
     @property
     def restarts(self) -> int:

@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
 from vericache_sglang.codec import StreamError
+from vericache_sglang.config import served_config
 
 from .admission import ADMISSION
 from .pages import (
@@ -49,6 +51,7 @@ from .pages import (
     store_reads_auto,
     vericache_compressor,
 )
+from .pending import PENDING
 from .reconnect import build_or_reconnect
 from .reloaded import RELOADED
 
@@ -99,6 +102,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
         self.compressor = compressor
         self._coder: PageCoder | None = None
         self._window = PageWindow()
+        self._exact: ThreadPoolExecutor | None = None
+        """With early drafting: fetches and decodes pages' exact parts behind their answer."""
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -112,6 +117,12 @@ class VeriCacheMooncakeStore(MooncakeStore):
                         "stores them (--page-size 64 codes them)", mem_pool_host.page_size)
             return
         self._window.start()
+        if served_config().vericache_early_drafting:
+            PENDING.attach(mem_pool_host, self._coder.kv)
+            self._exact = ThreadPoolExecutor(self._window.in_flight,
+                                             thread_name_prefix="vericache-store-exact")
+            logger.info("VeriCache Mooncake store: early drafting: a page answers SGLang's "
+                        "prefetch once its drafting level is in; its exact part follows")
         logger.info("VeriCache Mooncake store: pages of %d tokens stored as CacheGen streams, "
                     "read %d at a time", mem_pool_host.page_size, self._window.in_flight)
 
@@ -188,6 +199,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
                      extra_info: Any = None) -> list[bool]:
         if self._coder is None:
             return super().batch_get_v1(keys, host_indices, extra_info)
+        if self._exact is not None:
+            return self._get_drafting(keys, host_indices)
         page = self.mem_pool_host.page_size
         results = [False] * len(keys)
         names = self._coded_keys(keys)
@@ -225,3 +238,61 @@ class VeriCacheMooncakeStore(MooncakeStore):
         target = self.mem_pool_host.get_dummy_flat_data_page()
         self._coder.decode(memoryview(blob), name, target, page_key=page_key)
         return blob, target
+
+    def _get_drafting(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """Early drafting's read: answer each page once its drafting object is in and
+        decoded (the host page gets the level's lossy reconstruction, the compressed pool its
+        codes), and fetch its exact object behind it (`pending.py`)."""
+        page = self.mem_pool_host.page_size
+        results = [False] * len(keys)
+        names = self._coded_keys(keys)
+        began = time.perf_counter()
+        reads = self._window.run(self._read_drafting, list(zip(names, keys, strict=True)))
+        for i, (name, key, read) in enumerate(zip(names, keys, reads, strict=True)):
+            try:
+                head, target = read.result()
+            except StreamError as e:
+                STORE_STATS.record(fault_kind(e), name, str(e))
+                break
+            if not head:
+                STORE_STATS.record("missing", name, "the store has no drafting object")
+                break
+            index = host_indices[i * page].item()
+            self.mem_pool_host.set_from_flat_data_page(index, target)
+            PENDING.expect(key, index, self._exact.submit(self._read_exact, name, head))
+            now = time.perf_counter()
+            seconds, began = now - began, now
+            STORE_STATS.add("read", "drafting", len(head),
+                            target.numel() * target.element_size(), seconds)
+            results[i] = True
+        reads.close()
+        return results
+
+    def _read_drafting(self, name: str, page_key: str) -> tuple[bytes | None,
+                                                                 torch.Tensor | None]:
+        """Page `name`'s drafting object and its lossy reconstruction as a flat host page."""
+        head = self.store.get(self._objects(name)[0])
+        if not head:
+            return None, None
+        target = self.mem_pool_host.get_dummy_flat_data_page()
+        self._coder.decode_drafting(memoryview(head), name, target, page_key)
+        return head, target
+
+    def _read_exact(self, name: str, head: bytes) -> torch.Tensor:
+        """Page `name`'s exact KV as a flat host page, from its exact object after `head`;
+        raises (a counted fault) when the object is missing or does not decode."""
+        began = time.perf_counter()
+        try:
+            tail = self.store.get(self._objects(name)[1])
+            if not tail:
+                raise StreamError("the store has no exact object")
+            target = self.mem_pool_host.get_dummy_flat_data_page()
+            self._coder.decode(memoryview(head + tail), name, target)
+        except Exception as e:
+            kind = (("missing" if "no exact" in str(e) else fault_kind(e))
+                    if isinstance(e, StreamError) else "read_error")
+            STORE_STATS.record(kind, name, str(e))
+            PENDING.poison(name, e)
+            raise
+        STORE_STATS.add("read", "exact", len(tail), 0, time.perf_counter() - began)
+        return target

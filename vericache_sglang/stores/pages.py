@@ -113,7 +113,7 @@ class PageCoder:
             return None
         return cls(host_pool, spec, pool_level=pool_level)
 
-    def _kv(self, flat: torch.Tensor) -> torch.Tensor:
+    def kv(self, flat: torch.Tensor) -> torch.Tensor:
         """[2, L, page, H, D] view of a flat page."""
         kv = flat.view(self.dtype).reshape(self.shape)
         return kv.transpose(1, 2) if self.page_first else kv
@@ -124,7 +124,7 @@ class PageCoder:
         return CODEC_WORKER.encode(self, flat, key)
 
     def encode_page(self, flat: torch.Tensor, key: str) -> bytes:
-        kv = self._kv(flat)
+        kv = self.kv(flat)
         return encode_chunk(kv[0], kv[1], self.spec, key.encode())
 
     @staticmethod
@@ -143,20 +143,41 @@ class PageCoder:
         (`codec_worker.py`); with `page_key` (the page's storage hash), offer its pool-level
         codes for the reloaded compressed pages (`reloaded.py`)."""
         keys, values, tiers = CODEC_WORKER.decode(self, blob, key)
-        kv = self._kv(target)
+        kv = self.kv(target)
         kv[0].copy_(keys)
         kv[1].copy_(values)
         if page_key is not None and tiers:
             RELOADED.offer(page_key, tiers)
 
-    def decode_page(self, blob: bytes | memoryview, key: str) -> Decoded:
-        """The exact keys and values of `blob`, checked against this pool's page, and its
-        pool-level codes (none where the stream's levels only predict)."""
-        chunk = decode_chunk(blob, key=key.encode())
-        if tuple(chunk.keys.shape) != self.chunk_shape or chunk.keys.dtype != self.dtype:
-            raise StreamError(f"the stream holds {tuple(chunk.keys.shape)} {chunk.keys.dtype}, "
+    def decode_drafting(self, head: bytes | memoryview, key: str, target: torch.Tensor,
+                        page_key: str) -> None:
+        """Decode the drafting part `head` (`split`) of page `key` into the flat page
+        `target` as its pool level's lossy reconstruction, in the codec process, and offer
+        the level's codes for the reloaded compressed pages. Only with `pool_level`."""
+        keys, values, tiers = CODEC_WORKER.decode(self, head, key, drafting=True)
+        kv = self.kv(target)
+        kv[0].copy_(keys)
+        kv[1].copy_(values)
+        RELOADED.offer(page_key, tiers)
+
+    def decode_page(self, blob: bytes | memoryview, key: str,
+                    drafting: bool = False) -> Decoded:
+        """The exact keys and values of `blob` (with `drafting`: its pool level's lossy
+        reconstruction), checked against this pool's page, and its pool-level codes (none
+        where the stream's levels only predict)."""
+        if drafting:
+            header, _ = read_header(blob)
+            chunk = decode_chunk(blob, level=len(header.levels) - 1, key=key.encode())
+            pairs = [tier.dequantize(self.dtype) for tier in chunk.tiers]
+            keys = torch.stack([k for k, _ in pairs])
+            values = torch.stack([v for _, v in pairs])
+        else:
+            chunk = decode_chunk(blob, key=key.encode())
+            keys, values = chunk.keys, chunk.values
+        if tuple(keys.shape) != self.chunk_shape or keys.dtype != self.dtype:
+            raise StreamError(f"the stream holds {tuple(keys.shape)} {keys.dtype}, "
                               f"the page is {self.chunk_shape} {self.dtype}")
-        return chunk.keys, chunk.values, chunk.tiers if self.pool_level else []
+        return keys, values, chunk.tiers if self.pool_level else []
 
 
 def fault_kind(error: StreamError) -> str:

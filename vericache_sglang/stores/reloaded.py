@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
 
+from .pending import PENDING
+
 if TYPE_CHECKING:
     from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
@@ -115,7 +117,7 @@ def install_reloaded_codes(load_back: Callable[..., bool], tree: Any, node_id: A
     codes the store decoded for them."""
     last = getattr(req, "last_node", None)
     loaded = load_back(tree, node_id, mem_quota=mem_quota, req=req)
-    if not loaded or not len(RELOADED) or last is None:
+    if not loaded or not (len(RELOADED) or PENDING.enabled) or last is None:
         return loaded
     slots = tree.tree_core.collect_full_device_indices(node_id, last)
     page_size = tree.page_size
@@ -123,6 +125,7 @@ def install_reloaded_codes(load_back: Callable[..., bool], tree: Any, node_id: A
     pages = slots.numel() // page_size
     if pages and len(chain) >= pages:
         RELOADED.install(chain[-pages:], slots.cpu(), page_size)
+        PENDING.loaded(chain[-pages:], slots.cpu(), page_size)
     return loaded
 
 

@@ -1,0 +1,140 @@
+"""Pages answered on their drafting level, whose exact KV comes behind (`stores/pending.py`),
+the drafting level's decode (`PageCoder.decode_drafting`) and the stash of early drafts
+(`speculative/early.py`). The server path is tests/stores/test_early_drafting.py."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.stores.test_file_store import _flat_page, _host_pool
+from vericache_sglang.codec import StreamError
+from vericache_sglang.speculative.early import Stash
+from vericache_sglang.stores.pages import PageCoder
+from vericache_sglang.stores.pending import PendingExact, check_early_drafting
+
+PAGE = 4
+
+
+class _HostPool:
+    """The two calls the registry makes of SGLang's host pool, recorded."""
+
+    page_size = PAGE
+
+    def __init__(self) -> None:
+        self.written: list[tuple[int, torch.Tensor]] = []
+        self.freed: list[list[int]] = []
+
+    def free(self, indices: torch.Tensor) -> int:
+        self.freed.append(indices.tolist())
+        return len(indices)
+
+    def set_from_flat_data_page(self, index: int, flat: torch.Tensor) -> None:
+        self.written.append((index, flat))
+
+
+@pytest.fixture
+def pending() -> tuple[PendingExact, _HostPool]:
+    registry, host = PendingExact(), _HostPool()
+    registry.attach(host, lambda flat: flat.reshape(2, 1, PAGE, 1, 1))
+    return registry, host
+
+
+def _page(value: float) -> torch.Tensor:
+    return torch.full((2 * PAGE,), value)
+
+
+def test_a_device_page_waits_for_its_exact_kv_and_is_written_host_first(pending) -> None:
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    registry.loaded(["a"], torch.arange(100, 100 + PAGE), PAGE)
+    assert registry.on_device() and not registry.device_ready()
+    assert not registry.settle(block=False).writes and not host.written
+    threading.Timer(0.2, exact.set_result, [_page(7.0)]).start()
+    settled = registry.settle(block=True)
+    assert settled.waited_seconds > 0.1
+    assert host.written[0][0] == 8 and torch.equal(host.written[0][1], _page(7.0))
+    (slots, kv), = settled.writes
+    assert slots.tolist() == list(range(100, 100 + PAGE)) and kv.shape == (2, 1, PAGE, 1, 1)
+    assert not registry.on_device() and registry.snapshot()["waiting_pages"] == 0
+
+
+def test_a_host_page_sglang_freed_is_never_written(pending) -> None:
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    host.free(torch.arange(8, 8 + PAGE))  # SGLang frees it: the registry's wrap hears it
+    exact.set_result(_page(1.0))
+    assert not registry.settle(block=False).writes
+    assert not host.written and host.freed == [list(range(8, 8 + PAGE))]
+    assert registry.snapshot()["waiting_pages"] == 0
+
+
+def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pending) -> None:
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    exact.set_exception(StreamError("the store has no exact object"))
+    # Only on the host: it stays, poisoned, and is not written.
+    assert not registry.settle(block=False).failed and not host.written
+    registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
+    settled = registry.settle(block=True)
+    assert [s.tolist() for s in settled.failed] == [list(range(40, 40 + PAGE))]
+    assert not settled.writes and not host.written
+    assert registry.snapshot()["recomputed_pages"] == 1
+
+
+def test_the_drafting_level_decodes_the_pool_pages_lossy(model_kv) -> None:
+    """The drafting part alone gives the pool level's reconstruction: close to the exact KV,
+    not equal, and the same as dequantizing the codes the exact decode offers."""
+    host = _host_pool("layer_first", torch.float32)
+    coder = PageCoder.for_pool(host, "kivi:bits=4")
+    keys, values = (t[:, 64:128].float() for t in model_kv)
+    blob = coder.encode_page(_flat_page(keys, values, "layer_first"), "k")
+    head, _ = PageCoder.split(blob)
+    lossy_k, lossy_v, tiers = coder.decode_page(head, "k", drafting=True)
+    exact_k, _, exact_tiers = coder.decode_page(blob, "k")
+    assert torch.equal(exact_k, keys)
+    assert not torch.equal(lossy_k, keys)
+    assert (lossy_k - keys).abs().max() < 0.25 * keys.abs().max()
+    for tier, exact_tier, k in zip(tiers, exact_tiers, lossy_k, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(tier.tensors(), exact_tier.tensors(),
+                                                      strict=True))
+        assert torch.equal(tier.dequantize(torch.float32)[0], k)
+    assert len(head) < len(blob) / 3
+
+
+def test_a_stash_keeps_what_continues_the_emitted_tokens() -> None:
+    stash = Stash()
+    stash.keep("r", [5, 6, 7, 8, 9], first_token=5)
+    assert stash.length(["r"]) == 4
+    assert [t.tolist() for t in stash.take(["r"], 2, "cpu")] == [[6], [7]]
+    stash.advance("r", 2, accepted=2, bonus=8)  # 6, 7 accepted, bonus 8 as drafted
+    assert stash.length(["r"]) == 1
+    stash.advance("r", 1, accepted=0, bonus=3)  # 9 rejected
+    assert stash.length(["r"]) == 0
+    stash.keep("s", [4, 6], first_token=5)  # the first draft was already wrong
+    assert stash.length(["s"]) == 0
+
+
+@pytest.mark.parametrize(("change", "needs"), [
+    ({"hicache_storage_backend": "file"}, "a Mooncake store"),
+    ({"page_size": 1}, "--page-size a multiple of 64"),
+    ({"hicache_write_policy": "write_back"}, "write_through"),
+])
+def test_early_drafting_names_what_it_needs(change: dict, needs: str) -> None:
+    args = {"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake",
+            "page_size": 64, "hicache_write_policy": "write_through"} | change
+    config = SimpleNamespace(vericache_early_drafting=True, vericache_compressor="kivi:bits=4",
+                             vericache_full_tier="device")
+    problem = check_early_drafting(SimpleNamespace(**args), config)
+    assert problem.startswith("--vericache-early-drafting needs") and needs in problem
+    assert check_early_drafting(SimpleNamespace(**(args | {
+        "hicache_storage_backend": "mooncake", "page_size": 64,
+        "hicache_write_policy": "write_through", "enable_hierarchical_cache": True})),
+        config) is None
