@@ -8,10 +8,11 @@ Suites (bench/suites.py): compressors (bench.compress_quality), drafting (E by d
 bench.spec_offline), memory (bench.memory), codec (bench.codec), serving (throughput against
 plain SGLang by workload and batch, request types, the full tier's figures: bench.multilevel,
 bench.request_types), full_tier (bench.full_tier's device-budget comparison), perfmodel (the
-model's predicted GPU speed-up at this run's E and compression) and remote_prefix (not built
-yet: recorded as such). OUT_DIR gets bench-<time>.json (the machine, the git commit, the
-command, each suite's results or why it was skipped, whether its outputs equalled plain
-decoding's) and the plots. Exit status 1 if any compared output differed.
+model's predicted GPU speed-up at this run's E and compression) and remote_prefix (run on its
+own, `python -m bench.remote_prefix`: recorded as skipped). OUT_DIR gets bench-<time>.json
+(the machine, the git commit, the command, each suite's results or why it was skipped,
+whether its outputs equalled plain decoding's) and the plots. Exit status 1 if any compared
+output differed.
 """
 
 from __future__ import annotations

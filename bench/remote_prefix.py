@@ -20,9 +20,10 @@ requests, a short one A stored, as a server that has been serving would have:
 `vericache-auto` (`--vericache-store-reads auto`) has then measured its read and prefill rates
 on this link, and recomputes the stored prefix when reading it is the slower. Timed requests
 start once B's own backups have been stored, so their time and link bytes are their own. What
-this measures today is VeriCache as built: a request whose prefix is read waits for all of its
-pages, as SGLang's prefetch does (issue 27 builds drafting on the compressed pages while the
-exact KV still arrives).
+`vericache` reads a page's whole stream before answering SGLang's prefetch, as SGLang's
+own prefetch waits for the full KV; `vericache-early` (`--vericache-early-drafting`) answers
+once a page's drafting level is in, drafts on the compressed pages while the exact KV still
+arrives, and counts the drafts made before it (`early drafts`) and those later accepted.
 
     python -m bench.remote_prefix --prefix-tokens 3200 --rates-mbit 200 --new-tokens 64
 
@@ -86,6 +87,12 @@ CONFIGS = {
     "vericache-early": [*VERICACHE, "--vericache-early-drafting"],
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
+WRITER = {"hicache": "hicache", "vericache": "vericache", "vericache-auto": "vericache",
+          "vericache-early": "vericache"}
+"""Whose objects each configuration's server B reads: configurations whose server A would
+write the same objects (they differ only in how B reads) share one server A and its pages. A
+later B then also finds what an earlier one wrote: the page that ends the prefix and begins the
+question, when the prefix is not a whole number of pages (one page more of storage hit)."""
 
 PREFIX_MODULES = ("inspect", "typing", "_pydecimal", "tkinter", "turtle", "pydoc", "tarfile",
                   "email._header_value_parser", "doctest", "unittest.mock", "zipfile", "argparse")
@@ -126,7 +133,7 @@ def store_bytes_needed(args: argparse.Namespace, kv_bytes: int) -> int:
     at the full KV's size (VeriCache's coded pages are smaller; this is an upper bound)."""
     tokens = (prefixes_needed(args) * (args.prefix_tokens + QUESTION_TOKENS + args.new_tokens)
               + UNSTORED_TOKENS + len(args.rates_mbit) * STORED_TOKENS)
-    stores = sum(CONFIGS[name] is not None for name in args.configs)
+    stores = len({WRITER[name] for name in args.configs if CONFIGS[name] is not None})
     return stores * (tokens + PAGE_SIZE * prefixes_needed(args)) * kv_bytes
 
 
@@ -263,6 +270,7 @@ def run_inside(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     outputs: dict[tuple[str, float, int], list[list[int]]] = {}
     lease_ms = lease_ttl_ms(args, kv_bytes_per_token(target, args.dtype))
+    written: set[str] = set()
     with MooncakeService(segment_size=args.segment_mib << 20,
                          master_args=[f"--default_kv_lease_ttl={lease_ms}"]) as store:
         for name in args.configs:
@@ -271,9 +279,10 @@ def run_inside(args: argparse.Namespace) -> dict:
             server_args, env = server_base, None
             if reads_store:
                 server_args = [*server_base, *STORE_ARGS, *flags,
-                               *store.server_args(extra_backend_tag=name)]
+                               *store.server_args(extra_backend_tag=WRITER[name])]
                 env = store.env()
-            if reads_store:
+            if reads_store and WRITER[name] not in written:
+                written.add(WRITER[name])
                 # A's backups cross the link too: at the fastest rate, since they are not timed
                 set_rate(max(args.rates_mbit))
                 cli.log(f"[{name}] server A stores {prefixes_needed(args)} prefixes")
@@ -354,6 +363,10 @@ def _table(results: dict, args: argparse.Namespace) -> str:
         read = r.get("store_read") or {}
         reads = (f"{read['read_codec_seconds']:.1f} ({read['read_coded_pages']})"
                  if read.get("read_coded_pages") else "-")
+        if read.get("read_drafting_pages"):
+            reads = (f"{read['read_codec_seconds']:.1f} ({read['read_drafting_pages']} "
+                     f"drafting, {read['read_exact_pages']} exact); {read['early_drafts']} "
+                     f"early drafts, {read['stash_accepted']} accepted")
         if read.get("declined_pages"):
             reads += f", {read['declined_pages']} declined"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}"

@@ -16,10 +16,10 @@ import torch
 
 from bench import cli
 
-REMOTE_PREFIX = ("not built yet: VeriCache drafting on a stored prefix's compressed pages while "
-                 "its exact KV still crosses the link (issue 27); `python -m bench.remote_prefix` "
-                 "measures today's servers over an emulated link on its own (a network "
-                 "namespace, a Mooncake store, five servers: too long for this entry)")
+REMOTE_PREFIX = ("run on its own: `python -m bench.remote_prefix` measures a stored prefix "
+                 "behind an emulated link (a network namespace, a Mooncake store, up to seven "
+                 "servers: too long for this entry); levels chosen by the link (issue 27) are "
+                 "not built yet")
 
 
 @dataclass(frozen=True)

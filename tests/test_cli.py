@@ -37,6 +37,8 @@ BAD_FLAGS = {
                                     "--hicache-storage-backend", "mooncake"],
                                    "stores pages in files"),
     "options without enable": (["--vericache-draft-length", "8"], "--enable-vericache"),
+    "early drafting without a store": (["--enable-vericache", "--vericache-early-drafting"],
+                                       "--vericache-early-drafting needs a Mooncake store"),
     "speculative flags VeriCache sets": (["--enable-vericache",
                                           "--speculative-num-draft-tokens", "8"],
                                          "--speculative-num-draft-tokens cannot be combined"),
@@ -92,6 +94,6 @@ def test_help_lists_vericache_flags():
     for flag in ("--enable-vericache", "--vericache-compressor", "--vericache-draft-length",
                  "--vericache-max-draft-length", "--vericache-full-tier",
                  "--vericache-full-tier-budget", "--vericache-staging-budget",
-                 "--vericache-disk-dir"):
+                 "--vericache-disk-dir", "--vericache-early-drafting"):
         assert flag in out.stdout
     assert "VeriCache" in out.stdout

@@ -113,6 +113,11 @@ class VeriCacheMetrics:
         self.reloaded_pages_installed = counter(
             "reloaded_pages_installed", "Compressed pool pages of reloaded prefixes taken from "
             "their stored streams' pool level instead of quantized from the full KV.")
+        self.early_drafts = counter(
+            "early_drafts", "Tokens drafted over the compressed KV of a stored prefix before "
+            "its exact KV had arrived (--vericache-early-drafting).")
+        self.early_stash_accepted = counter(
+            "early_stash_accepted", "Of those, drafts later rounds verified and accepted.")
         self._store_seen: dict[str, float] = {}
 
     def record_store(self, snapshot: dict, declined_pages: int = 0,

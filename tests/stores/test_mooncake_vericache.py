@@ -54,12 +54,16 @@ VERICACHE_ARGS = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4",
 
 
 def _server(model: Path, store: MooncakeService, vericache: bool,
-            env: dict[str, str] | None = None, full_tier: str = "device") -> ServerProcess:
+            env: dict[str, str] | None = None, full_tier: str = "device",
+            early: bool = False, extra: list[str] | None = None) -> ServerProcess:
     """A server on the store. VeriCache's full KV is in SGLang's device pool by default, so
     SGLang's own host pool holds fetched pages and its `load_back` brings them to the device
     (`auto` puts it in the host tier: SGLang's buffer-only pipeline, which
-    tests/speculative/test_page_size.py's server B reloads through)."""
-    vericache_args = [*VERICACHE_ARGS, "--vericache-full-tier", full_tier] if vericache else []
+    tests/speculative/test_page_size.py's server B reloads through). `early`: pages answer
+    on their drafting level, the exact part behind (`--vericache-early-drafting`)."""
+    vericache_args = ([*VERICACHE_ARGS, "--vericache-full-tier", full_tier,
+                       *(["--vericache-early-drafting"] if early else []), *(extra or [])]
+                      if vericache else [])
     return ServerProcess(model, [*STORE_ARGS, *store.server_args(), *vericache_args],
                          max_total_tokens=DEVICE_TOKENS, env={**store.env(), **(env or {})})
 
@@ -140,7 +144,10 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def server_b(reference, store, demo_model) -> Iterator[ServerProcess]:
-    with _server(demo_model, store, vericache=True) as b:
+    # One codec process: a page's exact part takes ~0.1 s to decode, so a prefix's exact
+    # parts arrive over seconds after its drafting parts, and the store can die in between.
+    with _server(demo_model, store, vericache=True, early=True,
+                 extra=["--vericache-store-codec-processes", "1"]) as b:
         yield b
 
 
@@ -170,7 +177,11 @@ def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
     assert details["storage"] == PROMPT_TOKENS, details
     assert details["storage_backend"] == "VeriCacheMooncakeStore"
     state = _state(server_b)
-    assert state["store_io"]["read_coded_pages"] >= PAGES
+    # Each page answered on its drafting object, and its exact object was read behind it.
+    assert state["store_io"]["read_drafting_pages"] >= PAGES
+    assert state["store_io"]["read_exact_pages"] >= PAGES
+    early = state["early_drafting"]
+    assert early["answered_on_drafting_level"] >= PAGES and early["settled"] >= PAGES
     # Every page's compressed form came from its stream: two key groups per page, installed.
     assert state["reloaded_pages"]["installed_pages"] >= 2 * PAGES, state["reloaded_pages"]
     print(f"\n[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in "
@@ -183,13 +194,13 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
     string and a JSON schema: every answer is plain SGLang's, and the stored pages were read,
     several pages decoded at once."""
     server_b.flush_cache()
-    before = _state(server_b)["store_io"].get("read_coded_pages", 0)
+    before = _state(server_b)["store_io"].get("read_drafting_pages", 0)
     answers = send_all(server_b, _together(prompts))
     for mine, plain in zip(answers, reference["together"], strict=True):
         assert mine["output_ids"] == plain["output_ids"]
         assert mine["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
     assert reference["together"][0]["meta_info"]["finish_reason"]["type"] == "stop"
-    read = _state(server_b)["store_io"]["read_coded_pages"] - before
+    read = _state(server_b)["store_io"]["read_drafting_pages"] - before
     hits = [_storage_hit(answer) for answer in answers]
     print(f"\n[mooncake together] storage hits {hits}, {read} pages read")
     assert hits[2] >= OTHER_TOKENS - PAGE_SIZE  # (its last token is computed)
@@ -200,23 +211,36 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
 
 
 def test_a_store_dying_while_pages_load_loses_nothing(server_b, store, reference, prompts):
-    """The store is killed once B has loaded a few pages of the question's prefix again: the
-    prefix is computed from the first page it could not load, and B keeps serving."""
+    """The store is killed once B has answered the question's prefix on its pages' drafting
+    objects, while their exact parts still arrive: the pages whose exact part did not come are
+    recomputed (from the first of them, counted), the output is plain SGLang's, and B keeps
+    serving."""
     server_b.flush_cache()
     before = _state(server_b)
     answer: dict = {}
     asking = threading.Thread(target=lambda: answer.update(
         server_b.generate(_request(prompts["question"]))))
     asking.start()
+    # The master counts gets: B's drafting objects come first, then its exact objects. (B's
+    # scheduler cannot be asked meanwhile: it drafts, then waits at the barrier.)
+    gets = store.metrics()["total_get_nums_"]
     deadline = time.monotonic() + 120
-    while (_state(server_b)["store_io"]["read_coded_pages"]
-           < before["store_io"]["read_coded_pages"] + 5 and time.monotonic() < deadline):
-        time.sleep(0.2)
+    while (store.metrics()["total_get_nums_"] < gets + PAGES + 2
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
     store.kill()
     asking.join(timeout=600)
     hit = _storage_hit(answer)
-    print(f"\n[mooncake killed] {hit} tokens loaded before the store died")
-    assert PAGE_SIZE * 5 <= hit < PROMPT_TOKENS
+    after = _state(server_b)
+    exact = after["store_io"]["read_exact_pages"] - before["store_io"]["read_exact_pages"]
+    recomputed = (after["early_drafting"]["recomputed_pages"]
+                  - before["early_drafting"]["recomputed_pages"])
+    print(f"\n[mooncake killed] {hit} tokens answered before the store died: {exact} pages "
+          f"with their exact part, {recomputed} recomputed")
+    assert hit == PROMPT_TOKENS
+    assert recomputed > 0 and after["early_drafting"]["exact_failed"] > 0
+    # Every page answered either got its exact KV or was recomputed.
+    assert exact + recomputed >= PAGES
     assert answer["output_ids"] == reference["question"]["output_ids"]
     # A prompt the dead store has never seen: the lookup and the writes fail, counted.
     short = server_b.generate(_request(prompts["short"]))

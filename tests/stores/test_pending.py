@@ -36,6 +36,9 @@ class _HostPool:
     def set_from_flat_data_page(self, index: int, flat: torch.Tensor) -> None:
         self.written.append((index, flat))
 
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(2 * PAGE)
+
 
 @pytest.fixture
 def pending() -> tuple[PendingExact, _HostPool]:
@@ -84,9 +87,15 @@ def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pend
     assert not registry.settle(block=False).failed and not host.written
     registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
     settled = registry.settle(block=True)
-    assert [s.tolist() for s in settled.failed] == [list(range(40, 40 + PAGE))]
+    assert [s.tolist() for s in settled.failed.values()] == [list(range(40, 40 + PAGE))]
     assert not settled.writes and not host.written
     assert registry.snapshot()["recomputed_pages"] == 1
+    # The worker recomputed the slots: their KV heals the host page, and the page is done.
+    registry.heal(settled.failed, lambda slots: slots.float().reshape(1, 1, PAGE, 1, 1)
+                  .expand(2, 1, PAGE, 1, 1))
+    (index, flat), = host.written
+    assert index == 8 and flat.tolist() == [40.0, 41.0, 42.0, 43.0] * 2
+    assert registry.snapshot()["waiting_pages"] == 0
 
 
 def test_the_drafting_level_decodes_the_pool_pages_lossy(model_kv) -> None:
@@ -138,3 +147,18 @@ def test_early_drafting_names_what_it_needs(change: dict, needs: str) -> None:
         "hicache_storage_backend": "mooncake", "page_size": 64,
         "hicache_write_policy": "write_through", "enable_hierarchical_cache": True})),
         config) is None
+
+
+def test_two_answers_of_one_page_each_keep_their_host_page(pending) -> None:
+    """Two prefetches of one prefix raced: SGLang keeps one host page and frees the other;
+    the kept one is still written with the exact KV."""
+    registry, host = pending
+    first, second = Future(), Future()
+    registry.expect("a", 8, first)
+    registry.expect("a", 16, second)
+    host.free(torch.arange(16, 16 + PAGE))
+    first.set_result(_page(3.0))
+    second.set_result(_page(3.0))
+    registry.settle(block=False)
+    assert [index for index, _ in host.written] == [8]
+    assert registry.snapshot()["waiting_pages"] == 0

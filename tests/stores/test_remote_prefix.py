@@ -1,5 +1,8 @@
-"""A stored prefix behind an emulated link so slow that recomputing it wins: a VeriCache server
+"""A stored prefix behind an emulated link. So slow that recomputing it wins: a VeriCache server
 with `--vericache-store-reads auto` recomputes it (counted), and its output is plain SGLang's.
+Slow enough that the exact KV takes seconds: a server with `--vericache-early-drafting` drafts
+on the pages' drafting level before their exact KV has arrived (counted), and its output is
+plain SGLang's.
 
 The scenario is `bench.remote_prefix`'s, at a small size (the same code the issue's benchmark
 runs, so the test and the table measure one thing): a Mooncake store, VeriCache server A storing
@@ -36,6 +39,7 @@ def measured(tmp_path_factory, demo_model) -> dict:
         [sys.executable, "-m", "bench.remote_prefix", "--model", str(demo_model),
          "--prefix-tokens", str(PREFIX_TOKENS), "--rates-mbit", str(FAST_MBIT), str(SLOW_MBIT),
          "--batch", "1", "--new-tokens", "8", "--configs", "recompute", "vericache-auto",
+         "vericache-early",
          "--json", str(out)],
         capture_output=True, text=True, timeout=1000, cwd=Path(__file__).parents[2])
     if done.returncode == 2 and "cannot run here" in done.stderr:
@@ -68,3 +72,28 @@ def test_on_the_fast_link_the_choice_is_counted_either_way(measured):
         assert read["read_coded_pages"] >= PREFIX_TOKENS // PAGE_SIZE
     else:
         assert read["declined_pages"] == PREFIX_TOKENS // PAGE_SIZE
+
+
+def test_a_slow_link_drafts_before_the_exact_kv_has_arrived(measured):
+    """At 20 Mbit/s a page's exact part (2.1 MB) takes most of a second, its drafting level
+    (0.5 MB) a fifth of that: the server answered on the drafting level of every page, drafted
+    before the exact KV was in (counted), read every exact part, and emitted plain SGLang's
+    tokens."""
+    slow = measured[("vericache-early", SLOW_MBIT)]
+    assert slow["identical"] == slow["compared"] == 1
+    assert slow["storage_hit"] == PREFIX_TOKENS
+    read = slow["store_read"]
+    pages = PREFIX_TOKENS // PAGE_SIZE
+    assert read["read_drafting_pages"] == read["read_exact_pages"] == pages
+    assert read["read_coded_pages"] == 0
+    assert read["early_drafts"] > 0
+    assert read["barrier_wait_seconds"] > 0
+    assert read["read_drafting_bytes"] < read["read_exact_bytes"] / 2
+
+
+def test_on_the_fast_link_early_drafting_reads_every_page_too(measured):
+    fast = measured[("vericache-early", FAST_MBIT)]
+    assert fast["identical"] == fast["compared"] == 1
+    assert fast["storage_hit"] == PREFIX_TOKENS
+    read = fast["store_read"]
+    assert read["read_drafting_pages"] == read["read_exact_pages"] == PREFIX_TOKENS // PAGE_SIZE

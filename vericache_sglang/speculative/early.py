@@ -20,6 +20,7 @@ logprobs draft early (their drafts need no distribution); others wait at the bar
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -30,8 +31,10 @@ from vericache_sglang.speculative.forwards import (
     draft_forward_batch,
     extend_forward_batch,
 )
-from vericache_sglang.speculative.round import Round
+from vericache_sglang.speculative.round import Round, room
 from vericache_sglang.speculative.sampling import SamplingRows
+
+logger = logging.getLogger(__name__)
 
 MAX_EARLY_DRAFTS = 256
 """Drafts a request makes at most before its exact KV arrives."""
@@ -89,7 +92,9 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
         last = logits[ends.to(logits.device)].argmax(-1)
         for i, token in enumerate(last.tolist()):
             drafts[i].append(token)
-        while waiting() and len(drafts[0]) < MAX_EARLY_DRAFTS:
+        # More drafts than the longest request may emit would never be verified.
+        wanted = min(MAX_EARLY_DRAFTS, max(room(reqs)))
+        while waiting() and len(drafts[0]) < wanted:
             steps = [suffix[i] + len(drafts[i]) - 1 for i in range(bs)]
             backend.set_rows(list(range(bs)), steps)
             fb = draft_forward_batch(batch, round_, torch.arange(bs), torch.tensor(steps),
@@ -143,28 +148,34 @@ class Stash:
 
 
 def recompute_prefixes(forwards: TargetForwards, batch, failed: list[torch.Tensor]) -> None:
-    """Some stored pages' exact KV will not come (a store fault): recompute the whole cached
-    prefix of each request of `batch` whose prefix holds one of their device slots, by one
-    extend forward of its prefix tokens over no cache, written into its prefix slots. The
-    prefill that follows then reads exact KV only."""
+    """Some stored pages' exact KV will not come (a store fault): for each request of the
+    prefill `batch` whose prefix holds one of their device slots, recompute its prefix from
+    the first such page on, by one extend forward over the exact KV before it, written into
+    its slots. The prefill that follows then reads exact KV only."""
     bad = torch.cat(failed).to(torch.int64).unique()
     req_to_token = forwards.model_runner.req_to_token_pool.req_to_token
-    rows = []
+    rows, starts = [], []
     for i, req in enumerate(batch.reqs):
         prefix = req_to_token[req.kv.req_pool_idx, :batch.prefix_lens[i]].to(torch.int64)
-        if torch.isin(prefix, bad.to(prefix.device)).any():
+        hit = torch.isin(prefix, bad.to(prefix.device)).nonzero()
+        if len(hit):
             rows.append(i)
+            starts.append(int(hit[0]))
+    if len(bad) and not rows:
+        logger.error("VeriCache early drafting: %d device slots lost their exact KV outside "
+                     "a prefill's prefixes", len(bad))
     if not rows:
         return
     device = batch.seq_lens.device
-    lens = [batch.prefix_lens[i] for i in rows]
-    slots = batch.req_pool_indices[rows].to(device)
-    ids = torch.tensor([t for i, n in zip(rows, lens, strict=True)
-                        for t in batch.reqs[i].origin_input_ids[:n]],
+    ends = [batch.prefix_lens[i] for i in rows]
+    pairs = list(zip(rows, starts, ends, strict=True))
+    ids = torch.tensor([t for i, a, b in pairs for t in batch.reqs[i].origin_input_ids[a:b]],
                        dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    locs = torch.cat([req_to_token[batch.reqs[i].kv.req_pool_idx, :n].to(torch.int64)
-                      for i, n in zip(rows, lens, strict=True)])
-    seq = torch.tensor(lens, dtype=torch.int64, device=device)
-    fb = extend_forward_batch(ids, slots, seq, locs, positions)
+    positions = torch.cat([torch.arange(a, b, device=device) for _, a, b in pairs])
+    locs = torch.cat([req_to_token[batch.reqs[i].kv.req_pool_idx, a:b].to(torch.int64)
+                      for i, a, b in pairs])
+    fb = extend_forward_batch(ids, batch.req_pool_indices[rows].to(device),
+                              torch.tensor(ends, dtype=torch.int64, device=device),
+                              torch.tensor(starts, dtype=torch.int64, device=device), locs,
+                              positions)
     forwards.logits(forwards.model_runner.attn_backend, fb)

@@ -90,20 +90,21 @@ def first_position_forward_batch(batch, round_: Round) -> ForwardBatch:
 
 
 def extend_forward_batch(input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
-                         seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
-                         positions: torch.Tensor) -> ForwardBatch:
-    """An extend of whole sequences over no cached prefix (recomputing a prefix's KV into
-    its slots, `early.py`)."""
-    lens_cpu = seq_lens.cpu()
-    starts = torch.cumsum(seq_lens, 0) - seq_lens
+                         seq_lens: torch.Tensor, prefix_lens: torch.Tensor,
+                         out_cache_loc: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+    """An extend of each request's tokens from `prefix_lens` to `seq_lens` over its cached
+    KV before them (recomputing a prefix's KV into its slots, `early.py`)."""
+    lens_cpu, prefix_cpu = seq_lens.cpu(), prefix_lens.cpu()
+    extend = (seq_lens - prefix_lens).to(torch.int32)
+    extend_cpu = (lens_cpu - prefix_cpu).tolist()
     return _forward_batch(
         ForwardMode.EXTEND, input_ids=input_ids, req_pool_indices=req_pool_indices,
         seq_lens=seq_lens, seq_lens_cpu=lens_cpu, out_cache_loc=out_cache_loc,
-        positions=positions, extend_num_tokens=int(lens_cpu.sum()),
-        extend_seq_lens=seq_lens.to(torch.int32), extend_prefix_lens=torch.zeros_like(
-            seq_lens, dtype=torch.int32), extend_start_loc=starts.to(torch.int32),
-        extend_seq_lens_cpu=lens_cpu.tolist(), extend_prefix_lens_cpu=[0] * len(lens_cpu),
-        extend_logprob_start_lens_cpu=lens_cpu.tolist(),
+        positions=positions, extend_num_tokens=sum(extend_cpu), extend_seq_lens=extend,
+        extend_prefix_lens=prefix_lens.to(torch.int32),
+        extend_start_loc=(torch.cumsum(extend, 0) - extend).to(torch.int32),
+        extend_seq_lens_cpu=extend_cpu, extend_prefix_lens_cpu=prefix_cpu.tolist(),
+        extend_logprob_start_lens_cpu=extend_cpu,
         spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
         capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
     )

@@ -27,6 +27,20 @@ class WorkerStats:
         self.early_prefills = self.early_drafts = 0
         self.stash_verified = self.stash_accepted = 0
 
+    def add_early(self, drafts: int) -> None:
+        """A prefill drafted `drafts` tokens before its stored prefix's exact KV."""
+        self.early_prefills += 1
+        self.early_drafts += drafts
+        if self.metrics is not None:
+            self.metrics.early_drafts.inc(drafts)
+
+    def add_stashed(self, verified: int, accepted: int) -> None:
+        """A round verified `verified` early drafts of a request and accepted `accepted`."""
+        self.stash_verified += verified
+        self.stash_accepted += accepted
+        if self.metrics is not None:
+            self.metrics.early_stash_accepted.inc(accepted)
+
     def early_report(self) -> dict[str, int]:
         """Prefills that drafted before their exact KV, their drafts, and how many of those
         later rounds verified and accepted."""

@@ -263,10 +263,16 @@ class VeriCacheWorker(BaseSpecWorker):
             return None
         drafts = None
         if PENDING.on_device():
+            began = time.perf_counter()
             if batch.forward_mode.is_extend() and can_draft_early(batch):
                 drafts = draft_early(self.forwards, self.backends.draft, batch,
                                      lambda: not PENDING.device_ready())
+            drafting = time.perf_counter() - began
             settled = PENDING.settle(block=True)
+            logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
+                        "KV, then %.2f s waiting for the exact KV of %d pages",
+                        "no" if drafts is None else sum(map(len, drafts)), drafting,
+                        settled.waited_seconds, len(settled.writes) + len(settled.failed))
         else:
             settled = PENDING.settle(block=False)
         pool = self.model_runner.token_to_kv_pool
@@ -281,8 +287,16 @@ class VeriCacheWorker(BaseSpecWorker):
                 pool.k_buffer[layer][index] = kv[0, layer].to(self.device)
                 pool.v_buffer[layer][index] = kv[1, layer].to(self.device)
         if settled.failed:
-            recompute_prefixes(self.forwards, batch, settled.failed)
+            recompute_prefixes(self.forwards, batch, list(settled.failed.values()))
+            PENDING.heal(settled.failed, self._device_kv)
         return drafts
+
+    def _device_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """[2, L, n, H, D]: the full KV at device `slots`, on the host."""
+        pool = self.model_runner.token_to_kv_pool
+        index = slots.to(torch.int64).to(self.device)
+        return torch.stack([torch.stack([buffer[index].cpu() for buffer in buffers])
+                            for buffers in (pool.k_buffer, pool.v_buffer)])
 
     def _keep_early_drafts(self, batch, drafts: list[list[int]],
                            result: GenerationBatchResult) -> None:
@@ -291,8 +305,7 @@ class VeriCacheWorker(BaseSpecWorker):
         for req, chain, token in zip(batch.reqs, drafts, first, strict=True):
             self.stash.keep(req.rid, chain, token)
             add_to_meta_info(req, EARLY_DRAFTS_KEY, len(chain))
-        self.stats.early_drafts += sum(map(len, drafts))
-        self.stats.early_prefills += 1
+        self.stats.add_early(sum(map(len, drafts)))
 
     # -- request lifetime ----------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -446,8 +459,10 @@ class VeriCacheWorker(BaseSpecWorker):
             for req, a, b in zip(batch.reqs, accepted.tolist(), new_bonus.tolist(),
                                  strict=True):
                 self.stash.advance(req.rid, k, a, b)
-                self.stats.stash_verified += k
-                self.stats.stash_accepted += a
+                self.stats.add_stashed(k, a)
+        else:  # a stash no longer follows what this round emitted
+            for req in batch.reqs:
+                self.stash.forget(req.rid)
         for i, req in enumerate(batch.reqs):
             add_to_meta_info(req, DRAFT_FORWARDS_KEY, round_.forwards[i])
             if self.drafter is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -246,8 +247,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
         page = self.mem_pool_host.page_size
         results = [False] * len(keys)
         names = self._coded_keys(keys)
-        began = time.perf_counter()
+        began = first = time.perf_counter()
         reads = self._window.run(self._read_drafting, list(zip(names, keys, strict=True)))
+        answered: list[tuple[str, int, str, bytes]] = []
         for i, (name, key, read) in enumerate(zip(names, keys, reads, strict=True)):
             try:
                 head, target = read.result()
@@ -259,13 +261,21 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 break
             index = host_indices[i * page].item()
             self.mem_pool_host.set_from_flat_data_page(index, target)
-            PENDING.expect(key, index, self._exact.submit(self._read_exact, name, head))
+            answered.append((key, index, name, head))
             now = time.perf_counter()
             seconds, began = now - began, now
             STORE_STATS.add("read", "drafting", len(head),
                             target.numel() * target.element_size(), seconds)
             results[i] = True
         reads.close()
+        # The exact parts follow once the batch's drafting parts are in: they would otherwise
+        # share the link and the codec processes with them, and drafting would start later.
+        broken = threading.Event()  # set by the batch's first page whose exact part failed
+        for key, index, name, head in answered:
+            PENDING.expect(key, index,
+                           self._exact.submit(self._read_exact, name, head, broken))
+        logger.debug("VeriCache Mooncake store: %d pages answered on their drafting level in "
+                     "%.2f s", len(answered), time.perf_counter() - first)
         return results
 
     def _read_drafting(self, name: str, page_key: str) -> tuple[bytes | None,
@@ -278,9 +288,14 @@ class VeriCacheMooncakeStore(MooncakeStore):
         self._coder.decode_drafting(memoryview(head), name, target, page_key)
         return head, target
 
-    def _read_exact(self, name: str, head: bytes) -> torch.Tensor:
-        """Page `name`'s exact KV as a flat host page, from its exact object after `head`;
-        raises (a counted fault) when the object is missing or does not decode."""
+    def _read_exact(self, name: str, head: bytes, broken: threading.Event) -> torch.Tensor:
+        """Page `name`'s exact KV as a flat host page, from its exact object after `head`.
+        Raises when the object is missing or does not decode (a counted fault), and for every
+        later page of the batch without asking the store (`broken`): a store that died
+        mid-stream costs one timeout, and the prefix is recomputed from that page on."""
+        if broken.is_set():
+            PENDING.poison()
+            raise StreamError("an earlier page's exact part failed")
         began = time.perf_counter()
         try:
             tail = self.store.get(self._objects(name)[1])
@@ -289,10 +304,14 @@ class VeriCacheMooncakeStore(MooncakeStore):
             target = self.mem_pool_host.get_dummy_flat_data_page()
             self._coder.decode(memoryview(head + tail), name, target)
         except Exception as e:
+            broken.set()
             kind = (("missing" if "no exact" in str(e) else fault_kind(e))
                     if isinstance(e, StreamError) else "read_error")
             STORE_STATS.record(kind, name, str(e))
-            PENDING.poison(name, e)
+            if kind in ("short", "corrupt"):
+                for part in self._objects(name):  # written again by a later backup
+                    self.store.remove(part)
+            PENDING.poison()
             raise
         STORE_STATS.add("read", "exact", len(tail), 0, time.perf_counter() - began)
         return target

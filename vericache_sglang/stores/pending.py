@@ -20,6 +20,7 @@ never lands in a page that now holds another prefix.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -36,41 +37,50 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Page:
+    key: str
+    """The page's storage key (the radix tree's page hash)."""
     host_index: int | None
     """The host page holding the lossy reconstruction (None once SGLang freed it)."""
     exact: Future
     """The exact flat page (host layout), or the error that stopped it."""
     device_slots: torch.Tensor | None = None
     """Device slots SGLang loaded the page into, not yet written with the exact KV."""
-    answered: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
 class Settled:
-    """What one settle did: device slots written with exact KV (the worker copies `kv` there),
-    and device slots whose exact KV cannot come (the worker recomputes them)."""
+    """What one settle did: device slots to write with exact KV, and device slots whose exact
+    KV cannot come (the worker recomputes them)."""
 
     writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(slots [page], the page's exact KV [2, L, page, H, D])."""
-    failed: list[torch.Tensor] = field(default_factory=list)
+    failed: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Poisoned pages on the device, by entry: their slots, to recompute and then `heal`."""
     waited_seconds: float = 0.0
 
 
 class PendingExact:
-    """This process's pages answered on their drafting level (see the module docstring)."""
+    """This process's pages answered on their drafting level (see the module docstring).
+
+    Entries are per answer, not per key: two prefetches of one prefix that raced both answer
+    into host pages of their own, and SGLang keeps one of them and frees the other."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pages: dict[str, _Page] = {}
-        self._by_host: dict[int, str] = {}
+        self._ids = itertools.count()
+        self._pages: dict[int, _Page] = {}
+        self._by_host: dict[int, int] = {}
+        self._by_key: dict[str, set[int]] = {}
         self.host_pool: Any = None
+        self._kv_of: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.enabled = False
         self.answered = self.settled = self.poisoned = self.recomputed = 0
         self.waited_seconds = 0.0
 
     def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Serve `host_pool`'s pages (`kv_of` views a flat page as [2, L, page, H, D]): learn
-        when SGLang frees them (a wrap of its `free`)."""
+        when SGLang frees them (a wrap of its `free`, which every host free in SGLang 0.5.23
+        ends in)."""
         self.host_pool = host_pool
         self._kv_of = kv_of
         free = host_pool.free
@@ -82,16 +92,31 @@ class PendingExact:
         host_pool.free = free_and_forget
         self.enabled = True
 
+    def _drop(self, entry_id: int) -> None:
+        entry = self._pages.pop(entry_id)
+        if entry.host_index is not None:
+            self._by_host.pop(entry.host_index, None)
+        ids = self._by_key.get(entry.key)
+        if ids is not None:
+            ids.discard(entry_id)
+            if not ids:
+                del self._by_key[entry.key]
+
     # -- store threads ----------------------------------------------------------------------
     def expect(self, key: str, host_index: int, exact: Future) -> None:
         """Page `key` was answered into host page `host_index`; `exact` brings its exact KV."""
         with self._lock:
-            old = self._pages.pop(key, None)
-            if old is not None and old.host_index is not None:
-                self._by_host.pop(old.host_index, None)
-            self._pages[key] = _Page(host_index, exact)
-            self._by_host[host_index] = key
+            entry_id = next(self._ids)
+            self._pages[entry_id] = _Page(key, host_index, exact)
+            self._by_host[host_index] = entry_id
+            self._by_key.setdefault(key, set()).add(entry_id)
             self.answered += 1
+
+    def poison(self) -> None:
+        """Count a page whose exact part failed (its future carries the error; the store
+        logs the fault)."""
+        with self._lock:
+            self.poisoned += 1
 
     # -- scheduler thread -------------------------------------------------------------------
     def host_freed(self, indices: torch.Tensor) -> None:
@@ -101,13 +126,13 @@ class PendingExact:
         page = self.host_pool.page_size
         with self._lock:
             for index in indices.reshape(-1)[::page].tolist():
-                key = self._by_host.pop(int(index), None)
-                if key is None:
+                entry_id = self._by_host.pop(int(index), None)
+                if entry_id is None:
                     continue
-                entry = self._pages[key]
+                entry = self._pages[entry_id]
                 entry.host_index = None
                 if entry.device_slots is None:
-                    del self._pages[key]
+                    self._drop(entry_id)
 
     def loaded(self, keys: list[str], slots: torch.Tensor, page_size: int) -> None:
         """Pages `keys` were loaded into device `slots` (page after page)."""
@@ -115,30 +140,20 @@ class PendingExact:
             return
         with self._lock:
             for i, key in enumerate(keys):
-                entry = self._pages.get(key)
-                if entry is not None:
-                    entry.device_slots = slots[i * page_size:(i + 1) * page_size].clone()
+                for entry_id in self._by_key.get(key, ()):
+                    self._pages[entry_id].device_slots = (
+                        slots[i * page_size:(i + 1) * page_size].clone())
 
     def on_device(self) -> bool:
         """Whether a page loaded onto the device still waits for its exact KV."""
-        return any(e.device_slots is not None for e in self._pages.values())
+        with self._lock:
+            return any(e.device_slots is not None for e in self._pages.values())
 
     def device_ready(self) -> bool:
         """Whether every page loaded onto the device has its exact KV (or its fault)."""
         with self._lock:
             return all(e.exact.done() for e in self._pages.values()
                        if e.device_slots is not None)
-
-    def remaining_seconds(self) -> float | None:
-        """How long the device pages' exact KV still needs, from the rate the finished ones
-        came at since their answer (None before one has come)."""
-        with self._lock:
-            waiting = [e for e in self._pages.values() if e.device_slots is not None]
-        done = [e for e in waiting if e.exact.done()]
-        if not waiting or not done:
-            return None
-        elapsed = time.perf_counter() - min(e.answered for e in waiting)
-        return elapsed * (len(waiting) - len(done)) / len(done)
 
     def settle(self, *, block: bool) -> Settled:
         """Write every arrived exact page into its host page, and hand back its device writes;
@@ -152,40 +167,50 @@ class PendingExact:
             result.waited_seconds = time.perf_counter() - began
             self.waited_seconds += result.waited_seconds
         with self._lock:
-            for key, entry in list(self._pages.items()):
+            for entry_id, entry in list(self._pages.items()):
                 if not entry.exact.done():
                     continue
-                error = entry.exact.exception()
-                if error is not None:
+                if entry.exact.exception() is not None:
+                    # Poisoned: the lossy host page stays until SGLang frees it, and comes
+                    # back here for recompute wherever it is loaded.
                     if entry.device_slots is not None:
-                        result.failed.append(entry.device_slots)
+                        result.failed[entry_id] = entry.device_slots
                         entry.device_slots = None
                         self.recomputed += 1
                     if entry.host_index is None:
-                        del self._pages[key]
+                        self._drop(entry_id)
                     continue
                 flat = entry.exact.result()
                 if entry.host_index is not None:
                     self.host_pool.set_from_flat_data_page(entry.host_index, flat)
-                    self._by_host.pop(entry.host_index, None)
                 if entry.device_slots is not None:
                     result.writes.append((entry.device_slots, self._kv_of(flat)))
-                del self._pages[key]
+                self._drop(entry_id)
                 self.settled += 1
         return result
 
-    def poison(self, key: str, error: Exception) -> None:
-        """Count page `key`'s exact part as failed (the store thread calls this)."""
+    def heal(self, failed: dict[int, torch.Tensor],
+             device_kv: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The worker recomputed these poisoned pages' device slots: copy their KV
+        (`device_kv(slots)`, [2, L, page, H, D]) into the host pages still holding the lossy
+        level, and forget them."""
         with self._lock:
-            self.poisoned += 1
-        logger.warning("VeriCache early drafting: page %s's exact KV failed (%s); its "
-                       "positions are recomputed", key[:16], error)
+            for entry_id, slots in failed.items():
+                entry = self._pages.get(entry_id)
+                if entry is None:
+                    continue
+                if entry.host_index is not None:
+                    flat = self.host_pool.get_dummy_flat_data_page()
+                    self._kv_of(flat).copy_(device_kv(slots))
+                    self.host_pool.set_from_flat_data_page(entry.host_index, flat)
+                self._drop(entry_id)
 
     def clear(self) -> None:
         """SGLang flushed its caches: nothing loaded or held refers to these pages now."""
         with self._lock:
             self._pages.clear()
             self._by_host.clear()
+            self._by_key.clear()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
