@@ -1,18 +1,19 @@
-"""A stored prefix behind an emulated link. So slow that recomputing it wins: a VeriCache server
-with `--vericache-store-reads auto` recomputes it (counted), and its output is plain SGLang's.
-Slow enough that the exact KV takes seconds: a server with `--vericache-early-drafting` drafts
-on the pages' drafting level before their exact KV has arrived (counted), and its output is
-plain SGLang's.
+"""A stored prefix behind an emulated 20 Mbit/s link, slow enough that recomputing it wins
+and that its exact KV takes seconds to arrive: a VeriCache server with
+`--vericache-store-reads auto` recomputes it (counted), one with `--vericache-early-drafting`
+drafts on its pages' drafting level before their exact KV has arrived (counted), and both
+emit plain SGLang's tokens.
 
 The scenario is `bench.remote_prefix`'s, at a small size (the same code the issue's benchmark
-runs, so the test and the table measure one thing): a Mooncake store, VeriCache server A storing
-two 640-token prefixes and a 640-token warm-up per rate, then server B, inside a network
-namespace whose loopback caps the store's data ports (`stores/shaped_link.py`; emulation, not a
-real network). B answers each rate's warm-up (measuring its reads on that link) and then a
-stored prefix plus a question: first at 1,000 Mbit/s, then at 20 Mbit/s, where a 64-token coded
-page (2.6 MB in float32) takes about a second to arrive and prefilling its tokens about a
-fifth of that. Plain SGLang without a store answers the same requests, the reference. Skips, saying
-why, where no namespace can be made or Mooncake cannot run.
+runs, so the test and the table measure one thing): a Mooncake store, a VeriCache server A
+storing a 640-token prefix and a 640-token warm-up (its pages shared by both configurations),
+then each server B, inside a network namespace whose loopback caps the store's data ports
+(`stores/shaped_link.py`; emulation, not a real network). B answers the warm-up (measuring its
+reads on that link) and then the stored prefix plus a question. At 20 Mbit/s a 64-token coded
+page (2.6 MB in float32) takes about a second to arrive, its drafting part (0.5 MB) a fifth of
+that, and prefilling its tokens about a fifth too. Plain SGLang without a store answers the
+same requests, the reference. Skips, saying why, where no namespace can be made or Mooncake
+cannot run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from bench.remote_prefix import PAGE_SIZE
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
 PREFIX_TOKENS = 640
-FAST_MBIT, SLOW_MBIT = 1000, 20
+SLOW_MBIT = 20
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def measured(tmp_path_factory, demo_model) -> dict:
     out = tmp_path_factory.mktemp("remote_prefix") / "results.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.remote_prefix", "--model", str(demo_model),
-         "--prefix-tokens", str(PREFIX_TOKENS), "--rates-mbit", str(FAST_MBIT), str(SLOW_MBIT),
+         "--prefix-tokens", str(PREFIX_TOKENS), "--rates-mbit", str(SLOW_MBIT),
          "--batch", "1", "--new-tokens", "8", "--configs", "recompute", "vericache-auto",
          "vericache-early",
          "--json", str(out)],
@@ -60,20 +61,6 @@ def test_a_slow_link_makes_the_server_recompute_the_stored_prefix(measured):
     assert slow["link_bytes_per_request"] < 200_000  # lookups only; a coded page is 2.6 MB
 
 
-def test_on_the_fast_link_the_choice_is_counted_either_way(measured):
-    """Whether reading beats prefilling at 1 Gbit/s depends on this CPU's decode speed; what
-    must hold is that the stored pages were either read or declined, all of them, and the
-    output is the same."""
-    fast = measured[("vericache-auto", FAST_MBIT)]
-    assert fast["identical"] == fast["compared"] == 1
-    read = fast["store_read"]
-    if fast["storage_hit"]:
-        assert fast["storage_hit"] == PREFIX_TOKENS and read["declined_pages"] == 0
-        assert read["read_coded_pages"] >= PREFIX_TOKENS // PAGE_SIZE
-    else:
-        assert read["declined_pages"] == PREFIX_TOKENS // PAGE_SIZE
-
-
 def test_a_slow_link_drafts_before_the_exact_kv_has_arrived(measured):
     """At 20 Mbit/s a page's exact part (2.1 MB) takes most of a second, its drafting level
     (0.5 MB) a fifth of that: the server answered on the drafting level of every page, drafted
@@ -86,14 +73,6 @@ def test_a_slow_link_drafts_before_the_exact_kv_has_arrived(measured):
     pages = PREFIX_TOKENS // PAGE_SIZE
     assert read["read_drafting_pages"] == read["read_exact_pages"] == pages
     assert read["read_coded_pages"] == 0
-    assert read["early_drafts"] > 0
-    assert read["barrier_wait_seconds"] > 0
+    # More than the suffix's own draft: draft steps ran while the exact KV was on its way.
+    assert read["early_drafts"] >= 2
     assert read["read_drafting_bytes"] < read["read_exact_bytes"] / 2
-
-
-def test_on_the_fast_link_early_drafting_reads_every_page_too(measured):
-    fast = measured[("vericache-early", FAST_MBIT)]
-    assert fast["identical"] == fast["compared"] == 1
-    assert fast["storage_hit"] == PREFIX_TOKENS
-    read = fast["store_read"]
-    assert read["read_drafting_pages"] == read["read_exact_pages"] == PREFIX_TOKENS // PAGE_SIZE

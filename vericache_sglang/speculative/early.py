@@ -10,8 +10,9 @@ drafts over the compressed tier, which already holds those pages (installed from
    steps is the time they still need, measured by asking after each step, capped at
    `MAX_EARLY_DRAFTS`).
 
-Then the barrier writes the exact KV, and SGLang's own prefill runs the suffix over the exact
-KV: its token is the first output token. The drafts after it are the request's stash
+Then the barrier writes the exact KV, and the suffix runs over it as one verification chain
+(`prefill_over_exact`): the argmax at its last position is the first output token. The drafts
+after it are the request's stash
 (`Stash`): the following decode rounds verify them over the full KV instead of drafting,
 `--vericache-max-draft-length` at a time, until one is rejected. So every emitted token still
 comes from a forward over the exact KV. Only greedy requests without a grammar, penalties or
@@ -28,6 +29,7 @@ import torch
 from vericache_sglang.attention.draft import DraftAttnBackend
 from vericache_sglang.speculative.forwards import (
     TargetForwards,
+    chain_forward_batch,
     draft_forward_batch,
     extend_forward_batch,
 )
@@ -105,6 +107,25 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
     finally:
         backend.end_round()
     return drafts
+
+
+def prefill_over_exact(forwards: TargetForwards, backend, batch) -> torch.Tensor | None:
+    """The last position's logits [bs, V] of each request's uncached suffix, run over the
+    exact KV as one verification chain (`backend`: the round's verify backend), its K/V
+    written at the slots SGLang allocated for the prefill. Only the suffix's queries are
+    computed, where SGLang's CPU extend attends the whole sequence as a square. None when the
+    batch's suffixes differ in length (a chain has one width)."""
+    width = batch.extend_lens[0]
+    if any(n != width for n in batch.extend_lens):
+        return None
+    device = batch.seq_lens.device
+    committed = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+    positions = (committed[:, None] + torch.arange(width, device=device)).reshape(-1)
+    fb = chain_forward_batch(batch, batch.input_ids.to(torch.int64), committed,
+                             committed.cpu(), positions, batch.out_cache_loc.to(torch.int64),
+                             width)
+    logits = forwards.logits(backend, fb).next_token_logits
+    return logits.view(len(batch.reqs), width, -1)[:, -1]
 
 
 class Stash:

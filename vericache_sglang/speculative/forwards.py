@@ -59,17 +59,26 @@ def draft_forward_batch(batch, round_: Round, requests: torch.Tensor, steps: tor
     )
 
 
-def verify_forward_batch(batch, round_: Round) -> ForwardBatch:
-    """One TARGET_VERIFY forward of every request's chain [t0, d1..dk]."""
-    positions = round_.positions.reshape(-1)
+def chain_forward_batch(batch, tokens: torch.Tensor, committed: torch.Tensor,
+                        committed_cpu: torch.Tensor, positions: torch.Tensor,
+                        locs: torch.Tensor, width: int) -> ForwardBatch:
+    """One TARGET_VERIFY forward of a `width`-token chain per request (`tokens`, `positions`
+    and `locs` flattened request by request) over its `committed` KV, the chain's K/V written
+    at `locs`."""
     return _forward_batch(
-        ForwardMode.TARGET_VERIFY, input_ids=round_.chain().reshape(-1),
-        req_pool_indices=batch.req_pool_indices, seq_lens=round_.committed,
-        seq_lens_cpu=round_.committed_cpu, out_cache_loc=round_.locs.reshape(-1),
+        ForwardMode.TARGET_VERIFY, input_ids=tokens, req_pool_indices=batch.req_pool_indices,
+        seq_lens=committed, seq_lens_cpu=committed_cpu, out_cache_loc=locs,
         positions=positions, spec_algorithm=batch.spec_algorithm,
-        spec_info=VeriCacheVerifyInput(draft_token_num=round_.k + 1, positions=positions),
+        spec_info=VeriCacheVerifyInput(draft_token_num=width, positions=positions),
         capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
     )
+
+
+def verify_forward_batch(batch, round_: Round) -> ForwardBatch:
+    """One TARGET_VERIFY forward of every request's chain [t0, d1..dk]."""
+    return chain_forward_batch(batch, round_.chain().reshape(-1), round_.committed,
+                               round_.committed_cpu, round_.positions.reshape(-1),
+                               round_.locs.reshape(-1), round_.k + 1)
 
 
 def first_position_forward_batch(batch, round_: Round) -> ForwardBatch:

@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
@@ -59,6 +60,7 @@ from vericache_sglang.speculative.early import (
     Stash,
     can_draft_early,
     draft_early,
+    prefill_over_exact,
     recompute_prefixes,
 )
 from vericache_sglang.speculative.eligibility import drafting_rows
@@ -228,7 +230,7 @@ class VeriCacheWorker(BaseSpecWorker):
         early = self._before_exact_kv(batch)
         try:
             if early is not None:
-                result = self._prefill(batch)
+                result = self._prefill_after_drafting(batch)
                 self._keep_early_drafts(batch, early, result)
             elif batch.forward_mode.is_decode():
                 result = self._decode(batch)
@@ -264,7 +266,8 @@ class VeriCacheWorker(BaseSpecWorker):
         drafts = None
         if PENDING.on_device():
             began = time.perf_counter()
-            if batch.forward_mode.is_extend() and can_draft_early(batch):
+            if (batch.forward_mode.is_extend() and not PENDING.device_ready()
+                    and can_draft_early(batch)):
                 drafts = draft_early(self.forwards, self.backends.draft, batch,
                                      lambda: not PENDING.device_ready())
             drafting = time.perf_counter() - began
@@ -342,6 +345,22 @@ class VeriCacheWorker(BaseSpecWorker):
             if str(self.device).startswith("cuda"):
                 torch.cuda.synchronize()
             ADMISSION.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
+        return self._prefilled(batch, result)
+
+    def _prefill_after_drafting(self, batch) -> GenerationBatchResult:
+        """The prefill of a batch that drafted before its exact KV (greedy requests): the
+        suffix as a verification chain over the exact KV, its first token the argmax there
+        (`early.prefill_over_exact`); SGLang's own prefill when the suffixes differ in
+        length."""
+        last = prefill_over_exact(self.forwards, self.backends.verify, batch)
+        if last is None:
+            return self._prefill(batch)
+        return self._prefilled(batch, GenerationBatchResult(
+            logits_output=LogitsProcessorOutput(next_token_logits=last),
+            next_token_ids=last.argmax(-1), can_run_cuda_graph=False))
+
+    def _prefilled(self, batch, result: GenerationBatchResult) -> GenerationBatchResult:
+        """A prefill's result, with the state the first round starts from."""
         result.new_seq_lens = batch.seq_lens
         result.next_draft_input = VeriCacheDraftInput(
             bonus_tokens=result.next_token_ids.reshape(-1).to(torch.int64),
