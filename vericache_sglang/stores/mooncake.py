@@ -24,6 +24,11 @@ there and the rest is prefilled. A put the store refuses (full: -200) is skipped
 a write error; serving goes on. A store that dies while serving makes lookups fail (counted
 read errors: the prefix is computed) and writes fail (counted, the rest of the batch skipped);
 one that cannot be reached at startup is retried in the background (`reconnect.py`).
+
+With `--vericache-early-drafting` a read answers SGLang's prefetch once the batch's drafting
+objects are in and decoded, and fetches the exact objects behind it, in order (`pending.py`
+keeps what waits for them); a page whose exact part fails fails the batch's later pages at
+once, and the worker recomputes the prefix from the first of them.
 """
 
 from __future__ import annotations
