@@ -38,6 +38,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -207,17 +208,30 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return super().batch_get_v1(keys, host_indices, extra_info)
         if self._exact is not None:
             return self._get_drafting(keys, host_indices)
-        page = self.mem_pool_host.page_size
         results = [False] * len(keys)
+        for i, *_ in self._read_pages(keys, host_indices, self._read, "coded"):
+            results[i] = True
+        return results
+
+    def _read_pages(self, keys: list[str], host_indices: torch.Tensor,
+                    read: Callable[[str, str], tuple[bytes | None, torch.Tensor | None]],
+                    form: str) -> list[tuple[int, str, int, str, bytes]]:
+        """`read(name, key)` of each page, several at once, written into its host page in
+        order up to the first that fails (a counted fault; a stream that does not decode is
+        removed, to be written again by a later backup): (page, key, host index, name, bytes
+        read) of each page written. A whole stream's read time feeds
+        `--vericache-store-reads auto`."""
+        page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
+        done = []
         began = time.perf_counter()
-        reads = self._window.run(self._read, list(zip(names, keys, strict=True)))
-        for i, (name, read) in enumerate(zip(names, reads, strict=True)):
+        reads = self._window.run(read, list(zip(names, keys, strict=True)))
+        for i, (name, key, future) in enumerate(zip(names, keys, reads, strict=True)):
             try:
-                blob, target = read.result()
+                blob, target = future.result()
             except StreamError as e:
                 STORE_STATS.record(fault_kind(e), name, str(e))
-                for part in self._objects(name):  # written again by a later backup
+                for part in self._objects(name):
                     self.store.remove(part)
                 break
             if not blob:
@@ -227,12 +241,13 @@ class VeriCacheMooncakeStore(MooncakeStore):
             self.mem_pool_host.set_from_flat_data_page(index, target)
             now = time.perf_counter()
             seconds, began = now - began, now  # the page's share of the read: wall time
-            STORE_STATS.add("read", "coded", len(blob), target.numel() * target.element_size(),
+            STORE_STATS.add("read", form, len(blob), target.numel() * target.element_size(),
                             seconds)
-            ADMISSION.record_read(page, seconds)
-            results[i] = True
+            if form == "coded":
+                ADMISSION.record_read(page, seconds)
+            done.append((i, key, index, name, blob))
         reads.close()
-        return results
+        return done
 
     def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None]:
         """Page `name`'s object and its exact KV as a flat host page (None, None: no object);
@@ -249,38 +264,16 @@ class VeriCacheMooncakeStore(MooncakeStore):
         """Early drafting's read: answer each page once its drafting object is in and
         decoded (the host page gets the level's lossy reconstruction, the compressed pool its
         codes), and fetch its exact object behind it (`pending.py`)."""
-        page = self.mem_pool_host.page_size
         results = [False] * len(keys)
-        names = self._coded_keys(keys)
-        began = first = time.perf_counter()
-        reads = self._window.run(self._read_drafting, list(zip(names, keys, strict=True)))
-        answered: list[tuple[str, int, str, bytes]] = []
-        for i, (name, key, read) in enumerate(zip(names, keys, reads, strict=True)):
-            try:
-                head, target = read.result()
-            except StreamError as e:
-                STORE_STATS.record(fault_kind(e), name, str(e))
-                break
-            if not head:
-                STORE_STATS.record("missing", name, "the store has no drafting object")
-                break
-            index = host_indices[i * page].item()
-            self.mem_pool_host.set_from_flat_data_page(index, target)
-            answered.append((key, index, name, head))
-            now = time.perf_counter()
-            seconds, began = now - began, now
-            STORE_STATS.add("read", "drafting", len(head),
-                            target.numel() * target.element_size(), seconds)
+        answered = self._read_pages(keys, host_indices, self._read_drafting, "drafting")
+        for i, *_ in answered:
             results[i] = True
-        reads.close()
         # The exact parts follow once the batch's drafting parts are in: they would otherwise
         # share the link and the codec processes with them, and drafting would start later.
         broken = threading.Event()  # set by the batch's first page whose exact part failed
-        for key, index, name, head in answered:
+        for _, key, index, name, head in answered:
             PENDING.expect(key, index,
                            self._exact.submit(self._read_exact, name, head, broken))
-        logger.debug("VeriCache Mooncake store: %d pages answered on their drafting level in "
-                     "%.2f s", len(answered), time.perf_counter() - first)
         return results
 
     def _read_drafting(self, name: str, page_key: str) -> tuple[bytes | None,
