@@ -207,11 +207,14 @@ def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: i
 
 STORE_READ_KEYS = ("read_coded_pages", "read_coded_bytes", "read_codec_seconds",
                    "declined_pages", "read_drafting_pages", "read_drafting_bytes",
-                   "read_exact_pages", "read_exact_bytes", "early_drafts", "stash_accepted",
-                   "barrier_wait_seconds")
+                   "read_coarse_pages", "read_coarse_bytes", "read_refine_pages",
+                   "read_refine_bytes", "read_exact_pages", "read_exact_bytes", "early_drafts",
+                   "stash_accepted", "barrier_wait_seconds", "store_link_mbit")
 """VeriCache's store counters of a timed batch: pages read, their bytes, the seconds the
 store's reads took (transfer and decode, in SGLang's prefetch thread), and stored pages
 recomputed instead of read (`--vericache-store-reads auto`)."""
+GAUGES = ("store_link_mbit",)
+"""Of those, values read as they are after the batch, not as a difference."""
 
 
 def store_io(server: ServerProcess) -> dict:
@@ -241,7 +244,8 @@ def timed_batch(server: ServerProcess, prompts: list[list[int]],
                                                               "storage_hit")}
     row |= {"requests": answers, "link_bytes": moved,
             "link_bytes_per_request": moved / len(prompts),
-            "store_read": {key: after.get(key, 0) - io.get(key, 0) for key in STORE_READ_KEYS}}
+            "store_read": {key: after.get(key, 0) - (0 if key in GAUGES else io.get(key, 0))
+                           for key in STORE_READ_KEYS}}
     return row, outputs
 
 
@@ -363,10 +367,12 @@ def _table(results: dict, args: argparse.Namespace) -> str:
         read = r.get("store_read") or {}
         reads = (f"{read['read_codec_seconds']:.1f} ({read['read_coded_pages']})"
                  if read.get("read_coded_pages") else "-")
-        if read.get("read_drafting_pages"):
-            reads = (f"{read['read_codec_seconds']:.1f} ({read['read_drafting_pages']} "
-                     f"drafting, {read['read_exact_pages']} exact); {read['early_drafts']} "
-                     f"early drafts, {read['stash_accepted']} accepted")
+        if read.get("read_drafting_pages") or read.get("read_coarse_pages"):
+            reads = (f"{read['read_codec_seconds']:.1f} ({read.get('read_drafting_pages', 0)} "
+                     f"pool-level, {read.get('read_coarse_pages', 0)} coarse, "
+                     f"{read['read_exact_pages']} exact; link "
+                     f"{read.get('store_link_mbit', 0):.0f} Mbit/s measured); "
+                     f"{read['early_drafts']} early drafts, {read['stash_accepted']} accepted")
         if read.get("declined_pages"):
             reads += f", {read['declined_pages']} declined"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}"

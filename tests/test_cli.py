@@ -94,6 +94,7 @@ def test_help_lists_vericache_flags():
     for flag in ("--enable-vericache", "--vericache-compressor", "--vericache-draft-length",
                  "--vericache-max-draft-length", "--vericache-full-tier",
                  "--vericache-full-tier-budget", "--vericache-staging-budget",
-                 "--vericache-disk-dir", "--vericache-early-drafting"):
+                 "--vericache-disk-dir", "--vericache-early-drafting",
+                 "--vericache-drafting-deadline"):
         assert flag in out.stdout
     assert "VeriCache" in out.stdout

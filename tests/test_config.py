@@ -101,6 +101,12 @@ def test_size_parsing_for_budgets():
       "vericache_drafter_max_length": 2}, "1 <= --vericache-drafter-min-length"),
     ({"vericache_drafter": "none", "vericache_drafter_max_length": 4},
      "they do nothing with --vericache-drafter none"),
+    ({"vericache_early_drafting": True, "vericache_drafting_deadline": -1},
+     "--vericache-drafting-deadline must be 0 or more seconds, got -1"),
+    ({"vericache_early_drafting": True, "vericache_drafting_deadline": "soon"},
+     "--vericache-drafting-deadline: 'soon' is not a number"),
+    ({"vericache_drafting_deadline": 0.5},
+     "it does nothing without --vericache-early-drafting"),
 ])
 def test_invalid_values_raise_one_clear_error(values, message):
     with pytest.raises(VeriCacheConfigError, match=message) as info:

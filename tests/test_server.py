@@ -104,4 +104,5 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_store_reads": "always",
         "vericache_store_codec_processes": 0,  # one per core, at most 4
         "vericache_early_drafting": False,
+        "vericache_drafting_deadline": 1.0,
     }

@@ -208,6 +208,20 @@ class VeriCacheConfig:
         },
     )
 
+    vericache_drafting_deadline: float = field(
+        default=1.0,
+        metadata={
+            "help": "With --vericache-early-drafting: seconds from the start of a store read "
+            "by which its drafting level should be in. Each page fetches the compressed pool's "
+            "level where the bandwidth measured on the objects already received allows it, "
+            "else only a coarser level (about 0.6 of the bytes), whose codes the pool level's "
+            "replace when the page's exact part arrives (CacheGen's adaptation to the link). "
+            "0: always the coarse level first. The choice and the link's rate are logged, on "
+            "/metrics (vericache:store_pages form=coarse, vericache:store_link_mbit) and in "
+            "/server_info.",
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in ("vericache_draft_length", "vericache_min_draft_length",
                      "vericache_max_draft_length"):
@@ -252,6 +266,15 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(
                 "--vericache-store-codec-processes must be 0 (one per CPU core) or more, got "
                 f"{self.vericache_store_codec_processes}")
+        if not self.vericache_drafting_deadline >= 0:
+            raise VeriCacheConfigError(
+                "--vericache-drafting-deadline must be 0 or more seconds, got "
+                f"{self.vericache_drafting_deadline}")
+        if (not self.vericache_early_drafting
+                and self.vericache_drafting_deadline != type(self).vericache_drafting_deadline):
+            raise VeriCacheConfigError(
+                "--vericache-drafting-deadline times the drafting level of an early-drafting "
+                "read; it does nothing without --vericache-early-drafting")
         if self.vericache_full_tier not in FULL_TIER_PLACEMENTS:
             raise VeriCacheConfigError(
                 f"--vericache-full-tier must be one of {', '.join(FULL_TIER_PLACEMENTS)}, "
@@ -336,6 +359,13 @@ def _convert(f: dataclasses.Field, raw: Any) -> Any:
             if isinstance(raw, str) and raw.strip().lstrip("+-").isdigit():
                 return int(raw)
             raise ValueError(f"{raw!r} is not an integer")
+        if f.type in ("float", float):
+            if isinstance(raw, bool):
+                raise ValueError(f"{raw!r} is not a number")
+            try:
+                return float(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{raw!r} is not a number") from None
         return str(raw)
     except ValueError as e:
         raise VeriCacheConfigError(f"{_flag(f.name)}: {e}") from None

@@ -118,13 +118,20 @@ class VeriCacheMetrics:
             "its exact KV had arrived (--vericache-early-drafting).")
         self.early_stash_accepted = counter(
             "early_stash_accepted", "Of those, drafts later rounds verified and accepted.")
+        self.store_link_mbit = Gauge(
+            "vericache:store_link_mbit", "The KV store link's rate, measured on the objects "
+            "an early-drafting read received (the bytes of the last 32 over the time any of "
+            "them was in flight); it picks each page's drafting level.",
+            labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
         self._store_seen: dict[str, float] = {}
 
     def record_store(self, snapshot: dict, declined_pages: int = 0,
-                     installed_pages: int = 0) -> None:
+                     installed_pages: int = 0, link_mbit: float = 0.0) -> None:
         """Bring the store counters up to the storage backend's running counts
         (`stores.pages.StoreStats.snapshot`, `stores.admission.ADMISSION`'s declined pages,
-        `stores.reloaded.RELOADED`'s installed pages)."""
+        `stores.reloaded.RELOADED`'s installed pages, `stores.link.LINK`'s rate)."""
+        if link_mbit:
+            self.store_link_mbit.set(link_mbit)
         for name, total, counter in (
                 ("declined", declined_pages, self.store_reads_declined),
                 ("installed", installed_pages, self.reloaded_pages_installed)):

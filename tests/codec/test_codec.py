@@ -17,6 +17,8 @@ from vericache_sglang.codec import (
     decode_chunk,
     encode,
     encode_chunk,
+    finer,
+    parts_in,
     prefix_length,
     read_header,
 )
@@ -116,6 +118,14 @@ def test_a_coarse_level_decodes_from_a_prefix_of_the_stream(model_kv):
         decode_chunk(prefix, level=1, key=KEY)
     with pytest.raises(StreamError, match="truncated"):
         decode_chunk(prefix, key=KEY)
+    assert parts_in(header, len(prefix)) == 1 and parts_in(header, len(blob)) == 3
+    # Lifted back to the pool's bits (a coarse page in the compressed pool), the same values.
+    for layer in (0, LAYERS - 1):
+        lifted = finer(coarse[layer], spec.levels[1][layer])
+        assert lifted.bits == spec.levels[1][layer]
+        for mine, theirs in zip(lifted.dequantize(torch.float32),
+                                coarse[layer].dequantize(torch.float32), strict=True):
+            assert torch.equal(mine, theirs)
 
 
 def test_chunks_decode_on_their_own(model_kv):

@@ -97,11 +97,13 @@ def test_pages_are_coded_side_by_side_in_separate_children(page):
     assert CODEC_WORKER.pids() == pids  # no child died or was replaced
 
 
-def test_a_stream_splits_into_its_drafting_and_exact_parts(page):
-    """The drafting part alone decodes the pool level; joined, the parts are the stream."""
+def test_a_stream_splits_into_its_coarse_refinement_and_exact_parts(page):
+    """The coarse and refinement parts decode the pool level; joined, the parts are the
+    stream."""
     coder, blob, _ = page
-    head, tail = PageCoder.split(blob)
-    assert head + tail == blob and 0 < len(head) < len(tail) + len(head)
+    coarse, refinement, tail = PageCoder.split(blob)
+    head = coarse + refinement
+    assert head + tail == blob and 0 < len(coarse) < len(head) < len(blob)
     levels = decode_chunk(head, level=len(coder.spec.levels) - 1, key=b"page-key")
     exact = coder.decode_page(blob, "page-key")
     for mine, theirs in zip(levels.tiers, exact[2], strict=True):

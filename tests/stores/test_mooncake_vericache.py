@@ -3,8 +3,8 @@ SGLang server on the same store skips them cleanly; a store that dies or is down
 
 Pages of 64 tokens (`--page-size 64`, what HiCache storage deployments use), a store of this
 module's own (it is killed here). Server A (VeriCache, `--hicache-storage-backend mooncake`)
-answers a 3,200-token prompt and stops once the store holds its 50 pages, one coded object each
-(`stores/mooncake.py`). A plain SGLang server with the same arguments but VeriCache then asks
+answers a 3,200-token prompt and stops once the store holds its 50 pages, coded, three objects
+each (`stores/mooncake.py`). A plain SGLang server with the same arguments but VeriCache then asks
 the prompt plus a question, and a short prompt: SGLang's raw K and V objects of those pages are
 not in the store, so it finds no storage hit and prefills everything; its outputs are the
 references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
@@ -120,13 +120,13 @@ def stored(store, demo_model, prompts) -> dict:
         keys_before = store.wait_keys(0)
         bytes_before = store.stored_bytes()
         first = a.generate(_request(prompts["prompt"]))
-        # Two objects per page, written behind the answer: all must be there before A stops.
-        keys = store.wait_keys(keys_before + 2 * PAGES) - keys_before
+        # Three objects per page, written behind the answer: all must be there before A stops.
+        keys = store.wait_keys(keys_before + 3 * PAGES) - keys_before
         written = _state(a)["store_io"]
         stored_bytes = store.stored_bytes() - bytes_before
         for name in ("other", "other2"):
             a.generate(_request(prompts[name]))
-        store.wait_keys(keys_before + 2 * (PAGES + 2 * OTHER_TOKENS // PAGE_SIZE))
+        store.wait_keys(keys_before + 3 * (PAGES + 2 * OTHER_TOKENS // PAGE_SIZE))
     return {"first": first, "keys": keys, "written": written, "bytes": stored_bytes}
 
 
@@ -146,18 +146,20 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
 def server_b(reference, store, demo_model) -> Iterator[ServerProcess]:
     # One codec process: a page's exact part takes ~0.1 s to decode, so a prefix's exact
     # parts arrive over seconds after its drafting parts, and the store can die in between.
+    # Deadline 0: every page drafts on its coarse level, and its refinement comes behind.
     with _server(demo_model, store, vericache=True, early=True,
-                 extra=["--vericache-store-codec-processes", "1"]) as b:
+                 extra=["--vericache-store-codec-processes", "1",
+                        "--vericache-drafting-deadline", "0"]) as b:
         yield b
 
 
-def test_each_page_is_two_coded_objects(stored):
+def test_each_page_is_three_coded_objects(stored):
     raw = PAGES * PAGE_SIZE * FULL_KV_BYTES_PER_TOKEN
     print(f"\n[mooncake coded] {stored['keys']} objects, "
           f"{stored['bytes'] / (PAGES * PAGE_SIZE):.0f} B per token "
           f"({stored['bytes'] / raw:.3f} of raw float32)")
     assert stored["first"]["meta_info"]["cached_tokens"] == 0
-    assert stored["keys"] == 2 * PAGES  # the drafting part and the exact part
+    assert stored["keys"] == 3 * PAGES  # the coarse, refinement and exact parts
     assert stored["written"]["written_coded_pages"] >= PAGES
     assert stored["bytes"] < 0.95 * raw
 
@@ -177,11 +179,14 @@ def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
     assert details["storage"] == PROMPT_TOKENS, details
     assert details["storage_backend"] == "VeriCacheMooncakeStore"
     state = _state(server_b)
-    # Each page answered on its drafting object, and its exact object was read behind it.
-    assert state["store_io"]["read_drafting_pages"] >= PAGES
+    # Each page answered on its coarse object, and its refinement and exact objects were
+    # read behind it; the refinement's pool-level codes replaced the coarse ones.
+    assert state["store_io"]["read_coarse_pages"] >= PAGES
+    assert state["store_io"]["read_refine_pages"] >= PAGES
     assert state["store_io"]["read_exact_pages"] >= PAGES
     early = state["early_drafting"]
     assert early["answered_on_drafting_level"] >= PAGES and early["settled"] >= PAGES
+    assert early["refined_pool_pages"] > 0 and early["store_link_mbit"] > 0
     # With one codec process the exact parts take seconds after the drafting parts: the
     # request drafted before they were in (more than the suffix's own draft), counted.
     assert early["early_prefills"] >= 1 and early["early_drafts"] >= 2
@@ -197,13 +202,13 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
     string and a JSON schema: every answer is plain SGLang's, and the stored pages were read,
     several pages decoded at once."""
     server_b.flush_cache()
-    before = _state(server_b)["store_io"].get("read_drafting_pages", 0)
+    before = _state(server_b)["store_io"].get("read_coarse_pages", 0)
     answers = send_all(server_b, _together(prompts))
     for mine, plain in zip(answers, reference["together"], strict=True):
         assert mine["output_ids"] == plain["output_ids"]
         assert mine["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
     assert reference["together"][0]["meta_info"]["finish_reason"]["type"] == "stop"
-    read = _state(server_b)["store_io"]["read_drafting_pages"] - before
+    read = _state(server_b)["store_io"]["read_coarse_pages"] - before
     hits = [_storage_hit(answer) for answer in answers]
     print(f"\n[mooncake together] storage hits {hits}, {read} pages read")
     assert hits[2] >= OTHER_TOKENS - PAGE_SIZE  # (its last token is computed)
@@ -224,8 +229,9 @@ def test_a_store_dying_while_pages_load_loses_nothing(server_b, store, reference
     asking = threading.Thread(target=lambda: answer.update(
         server_b.generate(_request(prompts["question"]))))
     asking.start()
-    # The master counts gets: B's drafting objects come first, then its exact objects. (B's
-    # scheduler cannot be asked meanwhile: it drafts, then waits at the barrier.)
+    # The master counts gets: B's coarse objects come first, then its refinement and exact
+    # objects. (B's scheduler cannot be asked meanwhile: it drafts, then waits at the
+    # barrier.)
     gets = store.metrics()["total_get_nums_"]
     deadline = time.monotonic() + 120
     while (store.metrics()["total_get_nums_"] < gets + PAGES + 2

@@ -1,6 +1,7 @@
 """Pages answered on their drafting level, whose exact KV comes behind (`stores/pending.py`),
-the drafting level's decode (`PageCoder.decode_drafting`) and the stash of early drafts
-(`speculative/early.py`). The server path is tests/stores/test_early_drafting.py."""
+the drafting levels' decode (`PageCoder.decode_page(drafting=True)`), the level chosen by the
+link (`stores/link.py`) and the stash of early drafts (`speculative/early.py`). The server path
+is tests/stores/test_mooncake_vericache.py's server B."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 from tests.stores.test_file_store import _flat_page, _host_pool
-from vericache_sglang.codec import StreamError
+from vericache_sglang.codec import StreamError, decode_chunk
 from vericache_sglang.speculative.early import Stash
+from vericache_sglang.stores.link import DraftingPlan, LinkMeter
 from vericache_sglang.stores.pages import PageCoder
 from vericache_sglang.stores.pending import PendingExact, check_early_drafting
 
@@ -58,12 +60,13 @@ def test_a_device_page_waits_for_its_exact_kv_and_is_written_host_first(pending)
     registry.loaded(["a"], torch.arange(100, 100 + PAGE), PAGE)
     assert registry.on_device() and not registry.device_ready()
     assert not registry.settle(block=False).writes and not host.written
-    threading.Timer(0.2, exact.set_result, [_page(7.0)]).start()
+    threading.Timer(0.2, exact.set_result, [(_page(7.0), None)]).start()
     settled = registry.settle(block=True)
     assert settled.waited_seconds > 0.1
     assert host.written[0][0] == 8 and torch.equal(host.written[0][1], _page(7.0))
     (slots, kv), = settled.writes
     assert slots.tolist() == list(range(100, 100 + PAGE)) and kv.shape == (2, 1, PAGE, 1, 1)
+    assert not settled.codes  # answered on the pool level: nothing to refine
     assert not registry.on_device() and registry.snapshot()["waiting_pages"] == 0
 
 
@@ -72,7 +75,7 @@ def test_a_host_page_sglang_freed_is_never_written(pending) -> None:
     exact: Future = Future()
     registry.expect("a", 8, exact)
     host.free(torch.arange(8, 8 + PAGE))  # SGLang frees it: the registry's wrap hears it
-    exact.set_result(_page(1.0))
+    exact.set_result((_page(1.0), None))
     assert not registry.settle(block=False).writes
     assert not host.written and host.freed == [list(range(8, 8 + PAGE))]
     assert registry.snapshot()["waiting_pages"] == 0
@@ -86,6 +89,8 @@ def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pend
     # Only on the host: it stays, poisoned, and is not written.
     assert not registry.settle(block=False).failed and not host.written
     registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
+    # While drafting, failures wait for the barrier.
+    assert not registry.settle(block=False, failures=False).failed
     settled = registry.settle(block=True)
     assert [s.tolist() for s in settled.failed.values()] == [list(range(40, 40 + PAGE))]
     assert not settled.writes and not host.written
@@ -98,15 +103,32 @@ def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pend
     assert registry.snapshot()["waiting_pages"] == 0
 
 
-def test_the_drafting_level_decodes_the_pool_pages_lossy(model_kv) -> None:
-    """The drafting part alone gives the pool level's reconstruction: close to the exact KV,
-    not equal, and the same as dequantizing the codes the exact decode offers."""
+def test_a_coarse_page_brings_its_pool_codes_for_the_device_slots(pending) -> None:
+    registry, _ = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
+    exact.set_result((_page(2.0), ["pool-level codes"]))
+    settled = registry.settle(block=False, failures=False)
+    (slots, codes), = settled.codes
+    assert slots.tolist() == list(range(40, 40 + PAGE)) and codes == ["pool-level codes"]
+
+
+@pytest.fixture(scope="module")
+def coded_page(model_kv) -> tuple[PageCoder, bytes, torch.Tensor]:
     host = _host_pool("layer_first", torch.float32)
     coder = PageCoder.for_pool(host, "kivi:bits=4")
     keys, values = (t[:, 64:128].float() for t in model_kv)
-    blob = coder.encode_page(_flat_page(keys, values, "layer_first"), "k")
-    head, _ = PageCoder.split(blob)
-    lossy_k, lossy_v, tiers = coder.decode_page(head, "k", drafting=True)
+    return coder, coder.encode_page(_flat_page(keys, values, "layer_first"), "k"), keys
+
+
+def test_the_drafting_level_decodes_the_pool_pages_lossy(coded_page) -> None:
+    """The coarse and refinement parts give the pool level's reconstruction: close to the
+    exact KV, not equal, and the same as dequantizing the codes the exact decode offers."""
+    coder, blob, keys = coded_page
+    coarse, refinement, _ = PageCoder.split(blob)
+    assert PageCoder.refinement_bytes(coarse) == len(refinement) > 0
+    lossy_k, lossy_v, tiers = coder.decode_page(coarse + refinement, "k", drafting=True)
     exact_k, _, exact_tiers = coder.decode_page(blob, "k")
     assert torch.equal(exact_k, keys)
     assert not torch.equal(lossy_k, keys)
@@ -115,7 +137,44 @@ def test_the_drafting_level_decodes_the_pool_pages_lossy(model_kv) -> None:
         assert all(torch.equal(a, b) for a, b in zip(tier.tensors(), exact_tier.tensors(),
                                                       strict=True))
         assert torch.equal(tier.dequantize(torch.float32)[0], k)
-    assert len(head) < len(blob) / 3
+    assert len(coarse + refinement) < len(blob) / 3
+
+
+def test_the_coarse_level_alone_fills_pool_pages_with_its_own_values(coded_page) -> None:
+    """The coarse part decodes the first level, its codes lifted to the pool's bits: they
+    dequantize to that level's values exactly, coarser than the pool level."""
+    coder, blob, keys = coded_page
+    coarse, refinement, _ = PageCoder.split(blob)
+    coarse_k, _, tiers = coder.decode_page(coarse, "k", drafting=True)
+    pool_k, _, _ = coder.decode_page(coarse + refinement, "k", drafting=True)
+    level0 = decode_chunk(coarse, level=0, key=b"k")
+    assert {t.bits for t in tiers} == {4} and {t.bits for t in level0.tiers} == {2, 4}
+    for tier, own in zip(tiers, level0.tiers, strict=True):
+        assert torch.equal(tier.dequantize(torch.float32)[0], own.dequantize(torch.float32)[0])
+    assert (coarse_k - keys).abs().mean() > 1.5 * (pool_k - keys).abs().mean()
+    assert len(coarse) < 0.8 * len(coarse + refinement)
+
+
+def test_a_slow_link_drafts_on_the_coarse_level_a_fast_one_on_the_pool_level() -> None:
+    meter = LinkMeter()
+    meter.record(0.0, 1.0, 10_000_000)  # 80 Mbit/s
+    assert round(meter.mbit()) == 80
+    meter.record(0.5, 1.0, 10_000_000)  # fetched beside the first: the link's rate doubles
+    assert round(meter.mbit()) == 160
+    fast = DraftingPlan(4, deadline=10.0, meter=meter)
+    assert all(fast.refine(100_000, 60_000) for _ in range(4))
+    slow = DraftingPlan(4, deadline=0.004, meter=meter)
+    # 100 kB at 20 MB/s is 5 ms: no page's refinement fits, even the last's alone.
+    assert not any(slow.refine(100_000, 100_000) for _ in range(4))
+    assert (slow.pool_pages, slow.coarse_pages) == (0, 4)
+    # 18 ms: the first page's refinement does not fit beside the three coarse parts still to
+    # come (20 ms); the later ones do (15, 10, 5 ms).
+    mixed = DraftingPlan(4, deadline=0.018, meter=meter)
+    assert [mixed.refine(100_000, 100_000) for _ in range(4)] == [False, True, True, True]
+    never = DraftingPlan(2, deadline=0.0, meter=meter)
+    assert not never.refine(1, 1) and not never.refine(1, 0)  # one level: the pool's
+    assert (never.pool_pages, never.coarse_pages) == (1, 1)
+    assert not DraftingPlan(1, 10.0, LinkMeter()).refine(1, 1)  # nothing measured yet
 
 
 def test_a_stash_keeps_what_continues_the_emitted_tokens() -> None:
@@ -157,8 +216,8 @@ def test_two_answers_of_one_page_each_keep_their_host_page(pending) -> None:
     registry.expect("a", 8, first)
     registry.expect("a", 16, second)
     host.free(torch.arange(16, 16 + PAGE))
-    first.set_result(_page(3.0))
-    second.set_result(_page(3.0))
+    first.set_result((_page(3.0), None))
+    second.set_result((_page(3.0), None))
     registry.settle(block=False)
     assert [index for index, _ in host.written] == [8]
     assert registry.snapshot()["waiting_pages"] == 0

@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from tests.stores.test_file_store import _flat_page, _host_pool, _storage
+from vericache_sglang.codec import coarser, finer
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.quant import QuantTier
 from vericache_sglang.stores.reloaded import RELOADED
@@ -88,6 +89,25 @@ def test_reloaded_pages_are_the_pools_own_pages_without_quantizing(stored):
             assert torch.equal(mine[layer][got], theirs[layer][want])
     # A page the pool already holds is not installed twice.
     assert pool.install(slots[:PAGE], reference_tiers(reference, want[:2])) == 0
+
+
+def test_pool_level_codes_replace_coarse_ones_in_place(stored):
+    """A page answered on the coarse level (its codes lifted to the pool's bits) is
+    overwritten in its own pool page by the pool level's codes when its exact part comes."""
+    storage, keys, values = stored
+    reference, slots = _pool(keys, values)
+    want = reference.pages(slots[:PAGE])
+    pool_tiers = reference_tiers(reference, want)
+    pool, _ = _pool(None, None)
+    coarse = [finer(coarser(tier, 2), 4) for tier in pool_tiers]
+    assert pool.install(slots[:PAGE], coarse) == 2
+    pages = pool.pages(slots[:PAGE])
+    assert not torch.equal(pool.k_codes[5][pages], reference.k_codes[5][want])
+    assert pool.install(slots[:PAGE], pool_tiers, replace=True) == 2
+    assert torch.equal(pool.pages(slots[:PAGE]), pages) and pool.installed_pages == 2
+    for layer in range(30):
+        assert torch.equal(pool.k_codes[layer][pages], reference.k_codes[layer][want])
+        assert torch.equal(pool.v_scale[layer][pages], reference.v_scale[layer][want])
 
 
 def reference_tiers(pool: CompressedPagePool, pages: torch.Tensor):

@@ -8,8 +8,9 @@ then the exact KV bits), range coded, self-describing.
     full = decode_chunk(blob, key=b"page-key")                 # full.keys: the exact bits
 """
 
-from .chunk import CodecSpec, DecodedChunk, coarser, decode_chunk, encode, encode_chunk
-from .stream import Header, StreamError, prefix_length, read_header
+from .chunk import CodecSpec, DecodedChunk, coarser, decode_chunk, encode, encode_chunk, finer
+from .stream import Header, StreamError, parts_in, prefix_length, read_header
 
 __all__ = ["CodecSpec", "DecodedChunk", "Header", "StreamError", "coarser", "decode_chunk",
-           "encode", "encode_chunk", "prefix_length", "read_header"]
+           "encode", "encode_chunk", "finer", "parts_in", "prefix_length",
+           "read_header"]

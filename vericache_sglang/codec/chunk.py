@@ -144,6 +144,19 @@ def coarser(tier: QuantTier, bits: int) -> QuantTier:
                      *_coarse_meta(tier.v_scale, tier.v_zero, shift))
 
 
+def finer(tier: QuantTier, bits: int) -> QuantTier:
+    """The tier's values at `bits` bits (at least its own), unchanged: codes shifted up, scales
+    divided by the same power of two (exact in fp16), zero points kept. A coarse level read
+    alone fills the compressed pool's pages, which have the pool's bits, this way."""
+    shift = bits - tier.bits
+    if shift == 0:
+        return tier
+    kc, vc = _codes(tier)
+    return QuantTier(bits, kernels.pack_codes(kc << shift, bits), tier.k_scale / (1 << shift),
+                     tier.k_zero, kernels.pack_codes(vc << shift, bits),
+                     tier.v_scale / (1 << shift), tier.v_zero)
+
+
 def _meta_bytes(tiers: list[QuantTier], level: int) -> bytes:
     meta = torch.cat([t.flatten() for tier in tiers for t in
                       (tier.k_scale, tier.k_zero, tier.v_scale, tier.v_zero)])

@@ -120,6 +120,16 @@ def prefix_length(header: Header, parts: int) -> int:
     return _PREFIX.size + len(text) + DIGEST_BYTES + sum(header.part_lengths[:parts])
 
 
+def parts_in(header: Header, size: int) -> int:
+    """How many whole parts the first `size` bytes of the stream hold."""
+    end = prefix_length(header, 0)
+    for index, length in enumerate(header.part_lengths):
+        end += length
+        if end > size:
+            return index
+    return header.num_parts
+
+
 _SECTION = struct.Struct("<I")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.stores.admission import ADMISSION
+from vericache_sglang.stores.link import LINK
 from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.staging import FetchStats
@@ -68,7 +69,7 @@ class WorkerStats:
                              plain_decode_steps=len(verified) - rounds), compressed_pages)
         if self.metrics is not None:
             self.metrics.record_store(STORE_STATS.snapshot(), ADMISSION.declined_pages,
-                                      RELOADED.installed)
+                                      RELOADED.installed, LINK.mbit())
 
     def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
         """Count the tokens request `row` of the last step kept of its verified round."""

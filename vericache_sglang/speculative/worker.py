@@ -81,8 +81,9 @@ from vericache_sglang.speculative.sampling import SamplingRows
 from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_info
 from vericache_sglang.speculative.verification import judge, verify, write_logprobs
 from vericache_sglang.stores.admission import ADMISSION
+from vericache_sglang.stores.link import LINK
 from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.stores.pending import PENDING
+from vericache_sglang.stores.pending import PENDING, Settled
 from vericache_sglang.stores.reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -183,7 +184,8 @@ class VeriCacheWorker(BaseSpecWorker):
             "store_io": store["io"],
             "store_reads": ADMISSION.snapshot(),
             "reloaded_pages": RELOADED.snapshot(),
-            "early_drafting": {**PENDING.snapshot(), **stats.early_report()},
+            "early_drafting": {**PENDING.snapshot(), **stats.early_report(),
+                               "store_link_mbit": LINK.mbit()},
             "compressed_pages_quantized": backends.compressed_pages,
         }
 
@@ -269,7 +271,7 @@ class VeriCacheWorker(BaseSpecWorker):
             if (batch.forward_mode.is_extend() and not PENDING.device_ready()
                     and can_draft_early(batch)):
                 drafts = draft_early(self.forwards, self.backends.draft, batch,
-                                     lambda: not PENDING.device_ready())
+                                     self._drafting_goes_on)
             drafting = time.perf_counter() - began
             settled = PENDING.settle(block=True)
             logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
@@ -278,6 +280,22 @@ class VeriCacheWorker(BaseSpecWorker):
                         settled.waited_seconds, len(settled.writes) + len(settled.failed))
         else:
             settled = PENDING.settle(block=False)
+        self._write_settled(settled)
+        if settled.failed:
+            recompute_prefixes(self.forwards, batch, list(settled.failed.values()))
+            PENDING.heal(settled.failed, self._device_kv)
+        return drafts
+
+    def _drafting_goes_on(self) -> bool:
+        """Between early drafts: write the pages that arrived (their pool-level codes
+        replace coarse ones, so later drafts read them), and say whether any page on the
+        device still waits. Failed pages wait for the barrier, which recomputes them."""
+        self._write_settled(PENDING.settle(block=False, failures=False))
+        return not PENDING.device_ready()
+
+    def _write_settled(self, settled: Settled) -> None:
+        """Write settled pages' exact KV into their device slots, and their pool-level codes
+        over the coarse ones in the compressed pool."""
         pool = self.model_runner.token_to_kv_pool
         if settled.writes and str(self.device).startswith("cuda"):
             # SGLang's host-to-device load of these pages runs on its own stream; it read
@@ -289,10 +307,9 @@ class VeriCacheWorker(BaseSpecWorker):
             for layer in range(kv.shape[1]):
                 pool.k_buffer[layer][index] = kv[0, layer].to(self.device)
                 pool.v_buffer[layer][index] = kv[1, layer].to(self.device)
-        if settled.failed:
-            recompute_prefixes(self.forwards, batch, list(settled.failed.values()))
-            PENDING.heal(settled.failed, self._device_kv)
-        return drafts
+        if RELOADED.pool is not None:
+            for slots, codes in settled.codes:
+                PENDING.refined += RELOADED.pool.install(slots, codes, replace=True)
 
     def _device_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[2, L, n, H, D]: the full KV at device `slots`, on the host."""

@@ -6,14 +6,14 @@ and extra config; a server without VeriCache gets SGLang's `MooncakeStore` itsel
 
 With pages of a multiple of the codec group (`--page-size 64`) each page's CacheGen stream
 (`pages.PageCoder`: the compressed pool's levels, then the exact K/V, digests keyed by the
-stream's name `<key>_<rank>_c`) is stored as two objects: `<key>_<rank>_d`, the header and the
-lossy levels (what drafting reads: about a fifth of a float32 page, half of a bf16 one), and
-`<key>_<rank>_x`, the exact part; about 0.9 of the float32 bytes (0.75 of bf16) in all, instead
-of SGLang's two raw objects `<key>_<rank>_k` and `_v`. A page is stored once its exact object
-is (it is written last). A plain SGLang server on
-the same store finds no `_k` / `_v` objects for those pages and prefills them: it skips them
-cleanly, and VeriCache skips the plain server's raw pages the same way. Other page sizes are
-stored as SGLang stores them (raw, zero-copy).
+stream's name `<key>_<rank>_c`) is stored as three objects: `<key>_<rank>_d`, the header and
+the coarse lossy level, `_r`, the finer levels up to the compressed pool's (together what
+drafting reads: about a fifth of a float32 page, half of a bf16 one), and `_x`, the exact part;
+about 0.9 of the float32 bytes (0.75 of bf16) in all, instead of SGLang's two raw objects
+`<key>_<rank>_k` and `_v`. A page is stored once its exact object is (it is written last). A
+plain SGLang server on the same store finds no `_k` / `_v` objects for those pages and
+prefills them: it skips them cleanly, and VeriCache skips the plain server's raw pages the
+same way. Other page sizes are stored as SGLang stores them (raw, zero-copy).
 
 Streams go through the store's byte `put` / `get` (the coded object's size is not the page's,
 so SGLang's zero-copy reads into registered host pages do not apply). A read fetches and
@@ -26,9 +26,10 @@ read errors: the prefix is computed) and writes fail (counted, the rest of the b
 one that cannot be reached at startup is retried in the background (`reconnect.py`).
 
 With `--vericache-early-drafting` a read answers SGLang's prefetch once the batch's drafting
-objects are in and decoded, and fetches the exact objects behind it, in order (`pending.py`
-keeps what waits for them); a page whose exact part fails fails the batch's later pages at
-once, and the worker recomputes the prefix from the first of them.
+levels are in and decoded: each page's coarse object, and its refinement where the measured
+link allows (`link.py`). It fetches the rest behind, in order (`pending.py` keeps what waits
+for it); a page whose exact part fails fails the batch's later pages at once, and the worker
+recomputes the prefix from the first of them.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-from vericache_sglang.codec import StreamError
+from vericache_sglang.codec import StreamError, parts_in, read_header
 from vericache_sglang.config import served_config
 
 from .admission import ADMISSION
+from .link import LINK, DraftingPlan
 from .pages import (
     STORE_STATS,
     PageCoder,
@@ -134,15 +136,15 @@ class VeriCacheMooncakeStore(MooncakeStore):
                     "read %d at a time", mem_pool_host.page_size, self._window.in_flight)
 
     def _coded_keys(self, keys: list[str]) -> list[str]:
-        """Each page's stream name; its objects are the name's `_d` and `_x` forms
+        """Each page's stream name; its objects are the name's `_d`, `_r` and `_x` forms
         (`_objects`)."""
         return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
 
     @staticmethod
-    def _objects(name: str) -> tuple[str, str]:
-        """The drafting and the exact object of stream `name`."""
+    def _objects(name: str) -> tuple[str, str, str]:
+        """The coarse, refinement and exact objects of stream `name` (`PageCoder.split`)."""
         base = name.removesuffix("_c")
-        return f"{base}_d", f"{base}_x"
+        return f"{base}_d", f"{base}_r", f"{base}_x"
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Stored pages at the front of `keys`, or none where recomputing them is measured to
@@ -153,7 +155,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
 
     def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
-        found = self._batch_exist([self._objects(name)[1] for name in names])
+        found = self._batch_exist([self._objects(name)[2] for name in names])
         hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
         if hits < len(keys) and found[hits] < 0:  # an error code: the store is unreachable
             STORE_STATS.record("read_error", names[hits], f"lookup failed ({found[hits]})")
@@ -165,7 +167,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return super().batch_set_v1(keys, host_indices, extra_info)
         page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
-        stored = self._batch_exist([self._objects(name)[1] for name in names])
+        stored = self._batch_exist([self._objects(name)[2] for name in names])
         todo = [(name, host_indices[i * page].item()) for i, name in enumerate(names)
                 if stored[i] != 1]
         coded = self._window.run(self._encode, todo)
@@ -189,11 +191,16 @@ class VeriCacheMooncakeStore(MooncakeStore):
         return results
 
     def _put(self, name: str, blob: bytes) -> int:
-        """Store stream `name` as its two objects, the exact one last; Mooncake's code."""
-        drafting, exact = self._objects(name)
-        head, tail = PageCoder.split(blob)
-        code = self.store.put(drafting, head)
-        return code if code != 0 else self.store.put(exact, tail)
+        """Store stream `name` as its objects, the exact one last; Mooncake's code."""
+        for obj, part in zip(self._objects(name), PageCoder.split(blob), strict=True):
+            code = self.store.put(obj, part) if part else 0
+            if code != 0:
+                return code
+        return 0
+
+    def _get(self, obj: str) -> bytes | None:
+        """Object `obj`, its transfer measured for the link (`link.py`)."""
+        return LINK.timed(self.store.get, obj)
 
     def _encode(self, name: str, index: int) -> tuple[bytes, int, float]:
         """The stream of the host page at `index`, its KV bytes and the seconds coding took."""
@@ -209,13 +216,13 @@ class VeriCacheMooncakeStore(MooncakeStore):
         if self._exact is not None:
             return self._get_drafting(keys, host_indices)
         results = [False] * len(keys)
-        for i, *_ in self._read_pages(keys, host_indices, self._read, "coded"):
+        for i, *_ in self._read_pages(keys, host_indices, self._read):
             results[i] = True
         return results
 
     def _read_pages(self, keys: list[str], host_indices: torch.Tensor,
-                    read: Callable[[str, str], tuple[bytes | None, torch.Tensor | None]],
-                    form: str) -> list[tuple[int, str, int, str, bytes]]:
+                    read: Callable[[str, str], tuple[bytes | None, torch.Tensor | None, str]]
+                    ) -> list[tuple[int, str, int, str, bytes]]:
         """`read(name, key)` of each page, several at once, written into its host page in
         order up to the first that fails (a counted fault; a stream that does not decode is
         removed, to be written again by a later backup): (page, key, host index, name, bytes
@@ -228,7 +235,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         reads = self._window.run(read, list(zip(names, keys, strict=True)))
         for i, (name, key, future) in enumerate(zip(names, keys, reads, strict=True)):
             try:
-                blob, target = future.result()
+                blob, target, form = future.result()
             except StreamError as e:
                 STORE_STATS.record(fault_kind(e), name, str(e))
                 for part in self._objects(name):
@@ -249,58 +256,85 @@ class VeriCacheMooncakeStore(MooncakeStore):
         reads.close()
         return done
 
-    def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None]:
-        """Page `name`'s object and its exact KV as a flat host page (None, None: no object);
-        raises `StreamError` for a stream that does not decode."""
-        head, tail = (self.store.get(part) for part in self._objects(name))
-        if not head or not tail:
-            return None, None
-        blob = head + tail
+    def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None, str]:
+        """Page `name`'s stream and its exact KV as a flat host page (None, None: an object
+        is missing); raises `StreamError` for a stream that does not decode."""
+        coarse, refinement, exact = self._objects(name)
+        head = self._get(coarse)
+        if not head:
+            return None, None, "coded"
+        parts = [head]
+        if PageCoder.refinement_bytes(head):
+            parts.append(self._get(refinement))
+        parts.append(self._get(exact))
+        if not all(parts):
+            return None, None, "coded"
+        blob = b"".join(parts)
         target = self.mem_pool_host.get_dummy_flat_data_page()
         self._coder.decode(memoryview(blob), name, target, page_key=page_key)
-        return blob, target
+        return blob, target, "coded"
 
     def _get_drafting(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        """Early drafting's read: answer each page once its drafting object is in and
-        decoded (the host page gets the level's lossy reconstruction, the compressed pool its
-        codes), and fetch its exact object behind it (`pending.py`)."""
+        """Early drafting's read: answer each page once its drafting level is in and decoded
+        (the host page gets the level's lossy reconstruction, the compressed pool its codes),
+        and fetch the rest of its stream behind it (`pending.py`)."""
         results = [False] * len(keys)
-        answered = self._read_pages(keys, host_indices, self._read_drafting, "drafting")
+        plan = DraftingPlan(len(keys), served_config().vericache_drafting_deadline)
+        answered = self._read_pages(
+            keys, host_indices, lambda name, key: self._read_drafting(name, key, plan))
         for i, *_ in answered:
             results[i] = True
+        if answered:
+            logger.info("VeriCache store: %s", plan.report())
         # The exact parts follow once the batch's drafting parts are in: they would otherwise
         # share the link and the codec processes with them, and drafting would start later.
         broken = threading.Event()  # set by the batch's first page whose exact part failed
         for _, key, index, name, head in answered:
             PENDING.expect(key, index,
-                           self._exact.submit(self._read_exact, name, head, broken))
+                           self._exact.submit(self._read_exact, name, key, head, broken))
         return results
 
-    def _read_drafting(self, name: str, page_key: str) -> tuple[bytes | None,
-                                                                 torch.Tensor | None]:
-        """Page `name`'s drafting object and its lossy reconstruction as a flat host page."""
-        head = self.store.get(self._objects(name)[0])
+    def _read_drafting(self, name: str, page_key: str, plan: DraftingPlan
+                       ) -> tuple[bytes | None, torch.Tensor | None, str]:
+        """Page `name`'s coarse object, and its refinement where `plan` says the link allows,
+        and the finer level's lossy reconstruction as a flat host page."""
+        coarse, refinement, _ = self._objects(name)
+        head = self._get(coarse)
         if not head:
-            return None, None
+            return None, None, "coarse"
+        size = PageCoder.refinement_bytes(head)
+        form = "coarse" if size else "drafting"  # one lossy level: the pool's
+        if plan.refine(len(head), size):
+            finer = self._get(refinement)
+            if not finer:
+                return None, None, "drafting"
+            head, form = head + finer, "drafting"
         target = self.mem_pool_host.get_dummy_flat_data_page()
-        self._coder.decode_drafting(memoryview(head), name, target, page_key)
-        return head, target
+        self._coder.decode(memoryview(head), name, target, page_key=page_key, drafting=True)
+        return head, target, form
 
-    def _read_exact(self, name: str, head: bytes, broken: threading.Event) -> torch.Tensor:
-        """Page `name`'s exact KV as a flat host page, from its exact object after `head`.
-        Raises when the object is missing or does not decode (a counted fault), and for every
-        later page of the batch without asking the store (`broken`): a store that died
-        mid-stream costs one timeout, and the prefix is recomputed from that page on."""
+    def _read_exact(self, name: str, page_key: str, head: bytes,
+                    broken: threading.Event) -> tuple[torch.Tensor, list | None]:
+        """Page `name`'s exact KV as a flat host page, from the rest of its stream after
+        `head`, and its pool-level codes where `head` lacked the refinement (None otherwise;
+        they are offered for the page's reload too). Raises when an object is missing or
+        the stream does not decode (a counted fault), and for every later page of the batch
+        without asking the store (`broken`): a store that died mid-stream costs one timeout,
+        and the prefix is recomputed from that page on."""
         if broken.is_set():
             PENDING.poison()
             raise StreamError("an earlier page's exact part failed")
         began = time.perf_counter()
+        _, refinement, exact = self._objects(name)
         try:
-            tail = self.store.get(self._objects(name)[1])
-            if not tail:
+            header, _ = read_header(head)
+            refine = parts_in(header, len(head)) < len(header.levels)
+            parts = [head, *([self._get(refinement)] if refine else []), self._get(exact)]
+            if not all(parts):
                 raise StreamError("the store has no exact object")
             target = self.mem_pool_host.get_dummy_flat_data_page()
-            self._coder.decode(memoryview(head + tail), name, target)
+            tiers = self._coder.decode(memoryview(b"".join(parts)), name, target,
+                                       page_key=page_key if refine else None)
         except Exception as e:
             broken.set()
             kind = (("missing" if "no exact" in str(e) else fault_kind(e))
@@ -311,5 +345,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
                     self.store.remove(part)
             PENDING.poison()
             raise
-        STORE_STATS.add("read", "exact", len(tail), 0, time.perf_counter() - began)
-        return target
+        seconds = time.perf_counter() - began
+        if refine:
+            STORE_STATS.add("read", "refine", len(parts[1]), 0, 0.0)
+        STORE_STATS.add("read", "exact", len(parts[-1]), 0, seconds)
+        return target, tiers if refine else None

@@ -23,12 +23,14 @@ from vericache_sglang.codec import (
     StreamError,
     decode_chunk,
     encode_chunk,
+    finer,
+    parts_in,
     prefix_length,
     read_header,
 )
 from vericache_sglang.codec.exact import FORMATS
 from vericache_sglang.compress.kivi import Kivi
-from vericache_sglang.compress.quant import KiviQuantizer
+from vericache_sglang.compress.quant import KiviQuantizer, QuantTier
 from vericache_sglang.compress.registry import parse_compressor_spec
 from vericache_sglang.config import served_config
 
@@ -128,46 +130,50 @@ class PageCoder:
         return encode_chunk(kv[0], kv[1], self.spec, key.encode())
 
     @staticmethod
-    def split(blob: bytes) -> tuple[bytes, bytes]:
-        """`blob` as (drafting part, exact part): the header with every lossy level (what
-        drafting reads, about a fifth of a float32 page and half of a bf16 one), and the exact
-        KV after it. Stored as two objects, so the first can arrive alone; joined again they
-        are the stream."""
+    def split(blob: bytes) -> tuple[bytes, bytes, bytes]:
+        """`blob` as (coarse, refinement, exact): the header with the first lossy level (what
+        drafting reads on a slow link), the finer lossy levels up to the compressed pool's
+        (empty when the stream has one level), and the exact KV. Stored as objects of their
+        own, so the first can arrive alone and the second when the link allows; joined again
+        they are the stream."""
         header, _ = read_header(blob)
-        cut = prefix_length(header, len(header.levels))
-        return blob[:cut], blob[cut:]
+        coarse, pool = prefix_length(header, 1), prefix_length(header, len(header.levels))
+        return blob[:coarse], blob[coarse:pool], blob[pool:]
+
+    @staticmethod
+    def refinement_bytes(head: bytes | memoryview) -> int:
+        """Bytes of the refinement part of the stream whose coarse part is `head`."""
+        header, _ = read_header(head)
+        return prefix_length(header, len(header.levels)) - prefix_length(header, 1)
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
-               page_key: str | None = None) -> None:
-        """Decode the exact KV of `blob` into the flat page `target`, in the codec process
-        (`codec_worker.py`); with `page_key` (the page's storage hash), offer its pool-level
-        codes for the reloaded compressed pages (`reloaded.py`)."""
-        keys, values, tiers = CODEC_WORKER.decode(self, blob, key)
+               page_key: str | None = None, drafting: bool = False) -> list[QuantTier]:
+        """Decode the exact KV of `blob` (with `drafting`: the finest lossy level it holds,
+        `decode_page`) into the flat page `target`, in the codec process (`codec_worker.py`);
+        its pool-level codes are returned and, with `page_key` (the page's storage hash),
+        offered for the reloaded compressed pages (`reloaded.py`)."""
+        keys, values, tiers = CODEC_WORKER.decode(self, blob, key, drafting=drafting)
         kv = self.kv(target)
         kv[0].copy_(keys)
         kv[1].copy_(values)
         if page_key is not None and tiers:
             RELOADED.offer(page_key, tiers)
-
-    def decode_drafting(self, head: bytes | memoryview, key: str, target: torch.Tensor,
-                        page_key: str) -> None:
-        """Decode the drafting part `head` (`split`) of page `key` into the flat page
-        `target` as its pool level's lossy reconstruction, in the codec process, and offer
-        the level's codes for the reloaded compressed pages. Only with `pool_level`."""
-        keys, values, tiers = CODEC_WORKER.decode(self, head, key, drafting=True)
-        kv = self.kv(target)
-        kv[0].copy_(keys)
-        kv[1].copy_(values)
-        RELOADED.offer(page_key, tiers)
+        return tiers
 
     def decode_page(self, blob: bytes | memoryview, key: str,
                     drafting: bool = False) -> Decoded:
-        """The exact keys and values of `blob` (with `drafting`: its pool level's lossy
-        reconstruction), checked against this pool's page, and its pool-level codes (none
-        where the stream's levels only predict)."""
+        """The exact keys and values of `blob`, checked against this pool's page, and its
+        pool-level codes (none where the stream's levels only predict). With `drafting`, the
+        reconstruction of the finest lossy level whose part `blob` holds (a prefix of the
+        stream), its codes lifted to the pool's bits (`finer`: the same values)."""
         if drafting:
             header, _ = read_header(blob)
-            chunk = decode_chunk(blob, level=len(header.levels) - 1, key=key.encode())
+            level = min(parts_in(header, len(blob)), len(header.levels)) - 1
+            if level < 0:
+                raise StreamError("the drafting part holds no whole lossy level")
+            chunk = decode_chunk(blob, level=level, key=key.encode())
+            chunk.tiers = [finer(tier, bits) for tier, bits in
+                           zip(chunk.tiers, header.levels[-1], strict=True)]
             pairs = [tier.dequantize(self.dtype) for tier in chunk.tiers]
             keys = torch.stack([k for k, _ in pairs])
             values = torch.stack([v for _, v in pairs])

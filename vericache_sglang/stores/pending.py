@@ -42,7 +42,8 @@ class _Page:
     host_index: int | None
     """The host page holding the lossy reconstruction (None once SGLang freed it)."""
     exact: Future
-    """The exact flat page (host layout), or the error that stopped it."""
+    """The exact flat page (host layout) and the page's pool-level codes where it was answered
+    on a coarser level (else None), or the error that stopped it."""
     device_slots: torch.Tensor | None = None
     """Device slots SGLang loaded the page into, not yet written with the exact KV."""
 
@@ -54,6 +55,9 @@ class Settled:
 
     writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(slots [page], the page's exact KV [2, L, page, H, D])."""
+    codes: list[tuple[torch.Tensor, list]] = field(default_factory=list)
+    """(slots [page], pool-level codes per layer) of pages answered on a coarser level: they
+    replace the coarse codes in the compressed pool (`stores/link.py`)."""
     failed: dict[int, torch.Tensor] = field(default_factory=dict)
     """Poisoned pages on the device, by entry: their slots, to recompute and then `heal`."""
     waited_seconds: float = 0.0
@@ -75,6 +79,8 @@ class PendingExact:
         self._kv_of: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.enabled = False
         self.answered = self.settled = self.poisoned = self.recomputed = 0
+        self.refined = 0
+        """Compressed pool pages whose coarse codes the pool level's replaced (the worker)."""
         self.waited_seconds = 0.0
 
     def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -155,9 +161,10 @@ class PendingExact:
             return all(e.exact.done() for e in self._pages.values()
                        if e.device_slots is not None)
 
-    def settle(self, *, block: bool) -> Settled:
+    def settle(self, *, block: bool, failures: bool = True) -> Settled:
         """Write every arrived exact page into its host page, and hand back its device writes;
-        with `block`, first wait for the exact KV of every page on the device."""
+        with `block`, first wait for the exact KV of every page on the device. Without
+        `failures`, failed pages stay here for a later settle (drafting is under way)."""
         result = Settled()
         with self._lock:
             device = [e.exact for e in self._pages.values() if e.device_slots is not None]
@@ -171,6 +178,8 @@ class PendingExact:
                 if not entry.exact.done():
                     continue
                 if entry.exact.exception() is not None:
+                    if not failures:
+                        continue
                     # Poisoned: the lossy host page stays until SGLang frees it, and comes
                     # back here for recompute wherever it is loaded.
                     if entry.device_slots is not None:
@@ -180,11 +189,13 @@ class PendingExact:
                     if entry.host_index is None:
                         self._drop(entry_id)
                     continue
-                flat = entry.exact.result()
+                flat, codes = entry.exact.result()
                 if entry.host_index is not None:
                     self.host_pool.set_from_flat_data_page(entry.host_index, flat)
                 if entry.device_slots is not None:
                     result.writes.append((entry.device_slots, self._kv_of(flat)))
+                    if codes is not None:
+                        result.codes.append((entry.device_slots, codes))
                 self._drop(entry_id)
                 self.settled += 1
         return result
@@ -217,7 +228,8 @@ class PendingExact:
             waiting = len(self._pages)
         return {"answered_on_drafting_level": self.answered, "settled": self.settled,
                 "exact_failed": self.poisoned, "recomputed_pages": self.recomputed,
-                "waiting_pages": waiting, "barrier_wait_seconds": self.waited_seconds}
+                "waiting_pages": waiting, "barrier_wait_seconds": self.waited_seconds,
+                "refined_pool_pages": self.refined}
 
 
 PENDING = PendingExact()

@@ -138,33 +138,38 @@ class CompressedPagePool:
             self._key_of[page] = keys[i]
         return new
 
-    def install(self, slots: torch.Tensor, tiers: list[QuantTier]) -> int:
+    def install(self, slots: torch.Tensor, tiers: list[QuantTier], *,
+                replace: bool = False) -> int:
         """Take the pages of tokens at full-pool `slots` (whole groups, in token order) from
         `tiers`, their codes per layer as a store decoded them (the CacheGen stream's pool
         level, `stores/reloaded.py`), instead of quantizing the full KV loaded into those
-        slots: the same bits, without reading the full KV. Groups a page already holds, and
-        groups past a full pool, are left out. Returns the pages installed."""
+        slots: the same bits, without reading the full KV. Groups a page already holds are
+        left out, or with `replace` overwritten (a coarse level's codes giving way to the pool
+        level's, `stores/link.py`); groups past a full pool are left out. Returns the pages
+        written."""
         if (len(tiers) != len(self.bits) or slots.numel() % self.group
                 or any(t.bits != b or len(t) != slots.numel() for t, b in zip(
                     tiers, self.bits, strict=True))):
             raise ValueError("codes of another geometry than this pool's pages")
         groups = slots.reshape(-1, self.group)
         keys = self._keys(groups)
+        held = [i for i, key in enumerate(keys) if key in self._page_of] if replace else []
         wanted = [i for i, key in enumerate(keys) if key not in self._page_of]
         if len(wanted) > len(self._free):
             self._warn_full(len(wanted))
             wanted = wanted[: len(self._free)]
-        if not wanted:
+        if not wanted and not held:
             return 0
         new = self._claim(keys, wanted)
-        rows = torch.tensor(wanted)
+        rows = torch.tensor(held + wanted)
+        pages = [self._page_of[keys[i]] for i in held] + new
         tokens = (rows[:, None] * self.group + torch.arange(self.group)).flatten()
-        self._write(torch.tensor(new, device=self.page_slots.device), groups[rows],
+        self._write(torch.tensor(pages, device=self.page_slots.device), groups[rows],
                     [QuantTier(t.bits, t.k_codes[rows], t.k_scale[rows], t.k_zero[rows],
                                t.v_codes[tokens], t.v_scale[tokens], t.v_zero[tokens])
                      for t in tiers])
         self.installed_pages += len(new)
-        return len(new)
+        return len(pages)
 
     def layer(self, layer_id: int, page_table: torch.Tensor,
               lengths: torch.Tensor) -> kernels.PagedKV:
