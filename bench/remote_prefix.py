@@ -23,7 +23,9 @@ start once B's own backups have been stored, so their time and link bytes are th
 `vericache` reads a page's whole stream before answering SGLang's prefetch, as SGLang's
 own prefetch waits for the full KV; `vericache-early` (`--vericache-early-drafting`) answers
 once a page's drafting level is in, drafts on the compressed pages while the exact KV still
-arrives, and counts the drafts made before it (`early drafts`) and those later accepted.
+arrives, and counts the drafts made before it (`early drafts`) and those later accepted; its
+pages draft on the pool's level where the measured link fits it in the drafting deadline (1 s),
+else on the coarse level; `vericache-early-coarse` always takes the coarse level first.
 
     python -m bench.remote_prefix --prefix-tokens 3200 --rates-mbit 200 --new-tokens 64
 
@@ -85,10 +87,12 @@ CONFIGS = {
     "vericache": VERICACHE,
     "vericache-auto": [*VERICACHE, "--vericache-store-reads", "auto"],
     "vericache-early": [*VERICACHE, "--vericache-early-drafting"],
+    "vericache-early-coarse": [*VERICACHE, "--vericache-early-drafting",
+                               "--vericache-drafting-deadline", "0"],
 }
 """Each configuration's flags beside HiCache on the store (None: plain, no store)."""
 WRITER = {"hicache": "hicache", "vericache": "vericache", "vericache-auto": "vericache",
-          "vericache-early": "vericache"}
+          "vericache-early": "vericache", "vericache-early-coarse": "vericache"}
 """Whose objects each configuration's server B reads: configurations whose server A would
 write the same objects (they differ only in how B reads) share one server A and its pages. A
 later B then also finds what an earlier one wrote: the page that ends the prefix and begins the
