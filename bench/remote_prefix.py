@@ -13,7 +13,9 @@ at once, each a different stored prefix plus the same 60-token question, so none
 pages in B's host cache, and every (rate, batch) cell has prefixes of its own, since B keeps
 what it read. The times are per request, from sending it; the bytes are what crossed the shaped
 class while the batch ran (`tc -s class show`), divided by n. Plain SGLang without a store
-answers the same requests: every output is compared with its output, token for token.
+answers the same requests: every output is compared with its output, token for token, and
+with plain SGLang's HiCache's (in bfloat16 the reference with the same arguments: a prefix read
+from a cache is not computed bit for bit as a recomputed one).
 
 Every server B first answers a long prompt nobody stored and, at each rate before that rate's
 requests, a short one A stored, as a server that has been serving would have:
@@ -155,10 +157,15 @@ def lease_ttl_ms(args: argparse.Namespace, kv_bytes: int) -> int:
 
 
 def pool_tokens(args: argparse.Namespace) -> int:
-    """Each server's KV pool (device, and host at ratio 1): the largest batch at once, so no
-    request waits for another's pages to leave."""
+    """Each server's device KV budget in tokens (`--max-total-tokens`; the host pool is twice
+    it): the largest batch at once, so no request waits for another's pages to leave, with
+    half as much again beside it. Every server gets the same bytes; VeriCache spends part of
+    them on its compressed pool (0.31 of a bf16 token's KV, 0.15 of a float32 one), so its
+    full KV holds fewer tokens, and a batch that fills the budget exactly would be cut short
+    (SGLang aborts a request that runs out of KV)."""
     pages = math.ceil((args.prefix_tokens + QUESTION_TOKENS + args.new_tokens) / PAGE_SIZE) + 1
-    return max(DEVICE_TOKENS, max(args.batch) * pages * PAGE_SIZE + 2048)
+    need = max(args.batch) * pages * PAGE_SIZE
+    return max(DEVICE_TOKENS, need + need // 2)
 
 
 def prefix_windows(tokenizer, tokens: int) -> Iterator[list[int]]:
@@ -319,17 +326,21 @@ def run_inside(args: argparse.Namespace) -> dict:
                                 f"last token {row['last_s']:.1f} s, "
                                 f"{row['link_bytes_per_request'] / 1e6:.1f} MB/request")
     identical: dict[str, list[int]] = {}
+    identical_to_hicache: dict[str, list[int]] = {}
     for row in rows:
         got = outputs[(row["config"], row["rate_mbit"], row["batch"])]
-        reference = outputs.get(("recompute", row["rate_mbit"], row["batch"]))
         row["compared"] = len(got)
-        row["identical"] = (None if reference is None
-                            else sum(a == b for a, b in zip(got, reference, strict=True)))
-        if row["identical"] is not None:
-            counts = identical.setdefault(row["config"], [0, 0])
-            counts[0] += row["identical"]
-            counts[1] += len(got)
-    return {"rows": rows, "identical": identical, "kv_bytes_per_token":
+        for key, totals, against in (("identical", identical, "recompute"),
+                                     ("identical_to_hicache", identical_to_hicache, "hicache")):
+            reference = outputs.get((against, row["rate_mbit"], row["batch"]))
+            row[key] = (None if reference is None
+                        else sum(a == b for a, b in zip(got, reference, strict=True)))
+            if row[key] is not None:
+                counts = totals.setdefault(row["config"], [0, 0])
+                counts[0] += row[key]
+                counts[1] += len(got)
+    return {"rows": rows, "identical": identical,
+            "identical_to_hicache": identical_to_hicache, "kv_bytes_per_token":
             kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens,
             "lease_ttl_ms": lease_ms}
 
@@ -388,9 +399,10 @@ def _table(results: dict, args: argparse.Namespace) -> str:
             f"{r['link_bytes_per_request'] / 1e6:.1f} | "
             f"{_ratio(r['link_bytes_per_request'], hicache and hicache['link_bytes_per_request'])}"
             f" | {r['storage_hit']:.0f} | {reads} | {same} |")
-    if results["identical"]:
-        lines += ["", "Identical to recompute, all cells: " + ", ".join(
-            f"{name} {k}/{n}" for name, (k, n) in results["identical"].items()) + "."]
+    for key, against in (("identical", "recompute"), ("identical_to_hicache", "HiCache")):
+        if results.get(key):
+            lines += ["", f"Identical to {against}, all cells: " + ", ".join(
+                f"{name} {k}/{n}" for name, (k, n) in results[key].items()) + "."]
     return "\n".join(lines)
 
 

@@ -214,7 +214,7 @@ class VeriCacheConfig:
             "help": "With --vericache-early-drafting: seconds from the start of a store read "
             "by which its drafting level should be in. Each page fetches the compressed pool's "
             "level where the bandwidth measured on the objects already received allows it, "
-            "else only a coarser level (about 0.6 of the bytes), whose codes the pool level's "
+            "else only a coarser level (0.7 of the bytes), whose codes the pool level's "
             "replace when the page's exact part arrives (CacheGen's adaptation to the link). "
             "0: always the coarse level first. The choice and the link's rate are logged, on "
             "/metrics (vericache:store_pages form=coarse, vericache:store_link_mbit) and in "
