@@ -8,10 +8,12 @@ lossy one, nothing may read the page's full KV: this registry keeps, per page (b
 key, the radix tree's page hash), the host page it was written to, the device slots SGLang
 loaded it into (`loaded`, from the load-back hook), and the future of its exact KV.
 
-The worker settles pages on the scheduler thread (`settle`): before every forward it waits for
-the exact KV of each page loaded onto the device, writes it into the host page (first, so a
-host-to-device copy still queued carries it) and into the device slots. Pages only in the host
-pool are written once their exact KV is there. A page whose exact part failed (store fault)
+The worker settles pages on the scheduler thread (`settle`): before every forward (and between
+early draft steps) it writes each arrived page's exact KV into its host page (first, so a
+host-to-device copy still queued carries it) and its device slots, waiting for the pages on the
+device before a forward that reads them; a page answered on the coarse level (`link.py`) brings
+its pool-level codes too, which replace the coarse ones in the compressed pool. Pages only in
+the host pool are written once their exact KV is there. A page whose exact part failed (store fault)
 stays here as poisoned: its device slots are handed back for the worker to recompute, and its
 host page, if SGLang loads it later, comes back the same way. A host page SGLang frees is
 forgotten here (`host_freed`, from a wrap of the host pool's `free`), so a late exact KV
