@@ -260,6 +260,14 @@ def timed_batch(server: ServerProcess, prompts: list[list[int]],
     return row, outputs
 
 
+def first_difference(mine: list[int], theirs: list[int]) -> int:
+    """The index of the first output token where two outputs differ (a length where one is
+    the other's prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
+                 if a != b),
+                min(len(mine), len(theirs)))
+
+
 def run_inside(args: argparse.Namespace) -> dict:
     """The measurement, in the link's namespace."""
     target = cli.model_dir(args.model)
@@ -336,9 +344,11 @@ def run_inside(args: argparse.Namespace) -> dict:
             row[key] = (None if reference is None
                         else sum(a == b for a, b in zip(got, reference, strict=True)))
             if row[key] is not None:
-                counts = totals.setdefault(row["config"], [0, 0])
+                counts = totals.setdefault(row["config"], [0, 0, []])
                 counts[0] += row[key]
                 counts[1] += len(got)
+                counts[2] += [first_difference(a, b) for a, b in zip(got, reference,
+                                                                      strict=True) if a != b]
     return {"rows": rows, "identical": identical,
             "identical_to_hicache": identical_to_hicache, "kv_bytes_per_token":
             kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens,
@@ -401,8 +411,11 @@ def _table(results: dict, args: argparse.Namespace) -> str:
             f" | {r['storage_hit']:.0f} | {reads} | {same} |")
     for key, against in (("identical", "recompute"), ("identical_to_hicache", "HiCache")):
         if results.get(key):
-            lines += ["", f"Identical to {against}, all cells: " + ", ".join(
-                f"{name} {k}/{n}" for name, (k, n) in results[key].items()) + "."]
+            lines += ["", f"Identical to {against}, all cells (where not, the first token "
+                      "that differs): " + ", ".join(
+                          f"{name} {k}/{n}" + (f" ({', '.join(map(str, where))})" if where
+                                               else "")
+                          for name, (k, n, where) in results[key].items()) + "."]
     return "\n".join(lines)
 
 
