@@ -128,6 +128,7 @@ def test_the_drafting_level_decodes_the_pool_pages_lossy(coded_page) -> None:
     coder, blob, keys = coded_page
     coarse, refinement, _ = PageCoder.split(blob)
     assert PageCoder.refinement_bytes(coarse) == len(refinement) > 0
+    assert PageCoder.refinement_bytes(coarse + refinement) == 0
     lossy_k, lossy_v, tiers = coder.decode_page(coarse + refinement, "k", drafting=True)
     exact_k, _, exact_tiers = coder.decode_page(blob, "k")
     assert torch.equal(exact_k, keys)

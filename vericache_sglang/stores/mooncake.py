@@ -47,7 +47,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-from vericache_sglang.codec import StreamError, parts_in, read_header
+from vericache_sglang.codec import StreamError
 from vericache_sglang.config import served_config
 
 from .admission import ADMISSION
@@ -327,8 +327,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         began = time.perf_counter()
         _, refinement, exact = self._objects(name)
         try:
-            header, _ = read_header(head)
-            refine = parts_in(header, len(head)) < len(header.levels)
+            refine = PageCoder.refinement_bytes(head) > 0
             parts = [head, *([self._get(refinement)] if refine else []), self._get(exact)]
             if not all(parts):
                 raise StreamError("the store has no exact object")

@@ -142,9 +142,10 @@ class PageCoder:
 
     @staticmethod
     def refinement_bytes(head: bytes | memoryview) -> int:
-        """Bytes of the refinement part of the stream whose coarse part is `head`."""
+        """Bytes of the refinement part that `head`, the start of a stream (its coarse part,
+        or coarse and refinement parts), still lacks: 0 once it holds every lossy level."""
         header, _ = read_header(head)
-        return prefix_length(header, len(header.levels)) - prefix_length(header, 1)
+        return max(prefix_length(header, len(header.levels)) - len(head), 0)
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
                page_key: str | None = None, drafting: bool = False) -> list[QuantTier]:
