@@ -4,8 +4,9 @@ For each prompt (long stdlib sources and a licence text), the model's own K/V of
 is coded in chunks, in bf16 and float32; the table gives bytes per element (every byte of the
 streams: headers, tables, scales, digests) after each part, i.e. what a reader fetches for each
 level, next to the baselines: the bf16 KV itself, KIVI-4 packed codes with their fp16 scales
-(the compressed pool's pages, measured from their tensors), zstd of the bf16 byte planes, and
-bf16 plus int4 stored side by side. Encode and decode speeds are MB of KV (in its own dtype)
+(the compressed pool's pages, measured from their tensors), zstd of the bf16 byte planes,
+bf16 plus int4 stored side by side, and zstd-19 of the float32 byte planes (the float32 KV's
+plain lossless size, per 4-byte element). Encode and decode speeds are MB of KV (in its own dtype)
 per second on one core.
 
     python -m bench.codec --tokens 2048 --write-docs docs/codec.md
@@ -49,7 +50,7 @@ def kv_of(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def baselines(keys: torch.Tensor, values: torch.Tensor, compressor) -> dict[str, float]:
-    """Bytes per element of the references, bf16 K/V."""
+    """Bytes per element of the references, bf16 K/V (and float32's lossless size)."""
     elements = keys.numel() * 2
     k16, v16 = keys.bfloat16(), values.bfloat16()
     packed = 0
@@ -58,10 +59,15 @@ def baselines(keys: torch.Tensor, values: torch.Tensor, compressor) -> dict[str,
         tier = QuantTier.quantize(k16[layer], v16[layer], plan.old_bits, plan.group)
         packed += storage_bytes(tier.tensors())
     both = torch.cat([k16.flatten(), v16.flatten()])
+    # The float32 KV's own lossless size: what any exact float32 transfer costs at least,
+    # short of a better entropy coder.
+    both32 = torch.cat([keys.float().flatten(), values.float().flatten()])
     return {"bf16": 2.0, "KIVI-4 packed (pool pages)": packed / elements,
             "zstd-3 of bf16 byte planes": len(encode_planes(both, 3)) / elements,
             "zstd-19 of bf16 byte planes": len(encode_planes(both, 19)) / elements,
-            "bf16 + KIVI-4 side by side": 2.0 + packed / elements}
+            "bf16 + KIVI-4 side by side": 2.0 + packed / elements,
+            "zstd-19 of float32 byte planes (of 4 B)": len(encode_planes(both32, 19))
+            / elements}
 
 
 def main(argv: list[str] | None = None) -> int:

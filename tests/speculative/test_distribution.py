@@ -9,10 +9,10 @@ sampling configuration, and one greedy request (which must equal plain greedy ou
 for token, while sharing rounds with sampled requests).
 
 For each VeriCache configuration, sampling configuration and output position, a two-sample
-chi-square test compares the token counts with plain SGLang's; tokens seen fewer than
-`MIN_CELL` times in both samples together are pooled into one cell, so every cell expects about
-5 or more per server. Position 0 comes from prefill on both servers (a control); positions 1..
-come from VeriCache's draft and verify rounds. A draw fails when one of its M tests has p <
+chi-square test compares the token counts with plain SGLang's (`tests/homogeneity.py`: rare
+tokens pooled into one cell, so every cell expects about 5 or more per server). Position 0
+comes from prefill on both servers (a control); positions 1.. come from VeriCache's draft and
+verify rounds. A draw fails when one of its M tests has p <
 `DRAW_ALPHA` / M (Bonferroni: under exact sampling, probability below `DRAW_ALPHA`). A failed
 draw is drawn again, fresh samples from both servers, and the test fails only if that draw
 fails too: a real deviation reproduces, and under exact sampling both fail with probability
@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from scipy.stats import chi2_contingency
 
 from tests.conftest import SERVER_ARGS
+from tests.homogeneity import two_sample_pvalue
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.speculative.meta_info import DRAFTER_PROPOSED_KEY
@@ -41,7 +40,6 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 SAMPLES = 100
 NEW_TOKENS = 4
 PROMPT_TOKENS = 128
-MIN_CELL = 10
 FAMILY_ALPHA = 1e-3
 DRAW_ALPHA = math.sqrt(FAMILY_ALPHA)
 CONFIGS = {
@@ -96,19 +94,6 @@ def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[d
     return result
 
 
-def _two_sample_pvalue(a: list[int], b: list[int]) -> tuple[float, int]:
-    """Chi-square test of homogeneity of two token samples; (p-value, cells)."""
-    ca, cb = Counter(a), Counter(b)
-    common = sorted(t for t in ca.keys() | cb.keys() if ca[t] + cb[t] >= MIN_CELL)
-    rows = [[c[t] for t in common] + [sum(v for t, v in c.items() if t not in common)]
-            for c in (ca, cb)]
-    if rows[0][-1] + rows[1][-1] == 0:
-        rows = [r[:-1] for r in rows]
-    if len(rows[0]) < 2:
-        return 1.0, len(rows[0])  # one cell: both servers always emit the same token
-    return float(chi2_contingency(rows, correction=False).pvalue), len(rows[0])
-
-
 def _compare(plain: dict[str, list[dict]], ours: dict[str, list[dict]]
              ) -> tuple[list[str], list[str], int]:
     """One draw's tests: (report lines, failing lines, positions spread over 3+ tokens)."""
@@ -120,7 +105,7 @@ def _compare(plain: dict[str, list[dict]], ours: dict[str, list[dict]]
         assert len(a) == len(b) == SAMPLES
         assert all(len(ids) == NEW_TOKENS for ids in a + b)
         for pos in range(NEW_TOKENS):
-            pvalue, cells = _two_sample_pvalue([o[pos] for o in a], [o[pos] for o in b])
+            pvalue, cells = two_sample_pvalue([o[pos] for o in a], [o[pos] for o in b])
             report.append(f"{name} position {pos}: p={pvalue:.3g} ({cells} cells)")
             informative += cells >= 3
             if pvalue < DRAW_ALPHA / tests:

@@ -1,7 +1,8 @@
 """Grammar masks under stacked drafting: a level-1 check over proposals (some the grammar
 forbids, some level 1 rejects) leaves every chain position with the mask one-token drafting
 records there, and the grammar back where the round started, on both grammar backends that
-can roll back (real SGLang grammar objects over the demo model's tokenizer)."""
+can roll back (real SGLang grammar objects over the demo model's tokenizer). A chain drafted
+before its round (an early-drafting stash) replayed into the round's masks gives the same."""
 
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ def _state_mask(grammar) -> torch.Tensor:
     return mask
 
 
-def test_checked_proposals_leave_one_token_draftings_masks(grammars):
-    torch.manual_seed(0)
-    raw = torch.randn(K + 1, VOCAB) * 4  # the draft logits at each chain position
-
-    # One-token drafting: d1..dK, the masked logits at each position, the verify masks.
-    one = RoundGrammar({0: grammars()}, 1, VOCAB, K + 1)
+def _one_token_drafting(grammar, raw: torch.Tensor, verify: torch.Tensor
+                        ) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+    """d1..dK drafted one token at a time from the draft logits `raw` [K + 1, V]: the masked
+    logits at each position, the drafts, and `verify` masked as the round masks it."""
+    one = RoundGrammar({0: grammar}, 1, VOCAB, K + 1)
     masked, drafts = [], []
     for step in range(K):
         logits = raw[step : step + 1].clone()
@@ -51,9 +51,16 @@ def test_checked_proposals_leave_one_token_draftings_masks(grammars):
         drafts.append(int(logits.argmax()))
         one.advance(torch.tensor(drafts[-1:]))
     one.finish_drafting()
-    verify = torch.randn((K + 1), VOCAB)
     want = verify.clone()
     one.constrain_verify(want)
+    return masked, drafts, want
+
+
+def test_checked_proposals_leave_one_token_draftings_masks(grammars):
+    torch.manual_seed(0)
+    raw = torch.randn(K + 1, VOCAB) * 4  # the draft logits at each chain position
+    verify = torch.randn((K + 1), VOCAB)
+    masked, drafts, want = _one_token_drafting(grammars(), raw, verify)
 
     # Stacked: proposals that are right for a while, then forbidden or merely rejected.
     grammar = grammars()
@@ -87,3 +94,17 @@ def test_checked_proposals_leave_one_token_draftings_masks(grammars):
     stacked.constrain_verify(got)
     assert torch.equal(got, want)
     assert torch.equal(_state_mask(grammar), start)  # rolled back to the round start
+
+
+def test_a_replayed_stash_gets_one_token_draftings_masks(grammars):
+    torch.manual_seed(1)
+    verify = torch.randn((K + 1), VOCAB)
+    _, drafts, want = _one_token_drafting(grammars(), torch.randn(K + 1, VOCAB) * 4, verify)
+    grammar = grammars()
+    start = _state_mask(grammar)
+    replayed = RoundGrammar({0: grammar}, 1, VOCAB, K + 1)
+    replayed.replay([torch.tensor([0]), *(torch.tensor([d]) for d in drafts)])
+    got = verify.clone()
+    replayed.constrain_verify(got)
+    assert torch.equal(got, want)
+    assert torch.equal(_state_mask(grammar), start)

@@ -34,6 +34,7 @@ from vericache_sglang.speculative.sampling import (
     rejection_sample,
     residual_distribution,
     rows_sampler_supported,
+    sample_against_draft,
     softmax_probs,
     verify_tokens,
 )
@@ -180,6 +181,22 @@ def test_rejection_sampling_monte_carlo():
     assert chi2_pvalue(counts, p1[:, None] * p2) > ALPHA
     rate = float((accepted >= 1).double().mean())
     expected = float(torch.minimum(p1, q1).sum())
+    assert abs(rate - expected) < 5 * (expected * (1 - expected) / n) ** 0.5
+
+
+def test_a_first_draft_sampled_against_p():
+    """An early-drafting request's first token (`early.first_tokens`): 200,000 drafts from q
+    kept or replaced against p give tokens that fit p, equal to the draft at the rate
+    sum(min(p, q))."""
+    gen = torch.Generator().manual_seed(4)
+    vocab, n = 6, 200_000
+    p, q = (t.float() for t in random_pair(gen, vocab))
+    torch.manual_seed(5)
+    drafts = torch.multinomial(q, n, replacement=True)
+    tokens = sample_against_draft(p.expand(n, vocab), q.expand(n, vocab), drafts)
+    assert chi2_pvalue(torch.bincount(tokens, minlength=vocab), p) > ALPHA
+    rate = float((tokens == drafts).double().mean())
+    expected = float(torch.minimum(p, q).sum())
     assert abs(rate - expected) < 5 * (expected * (1 - expected) / n) ** 0.5
 
 

@@ -9,7 +9,9 @@ the prompt plus a question, and a short prompt: SGLang's raw K and V objects of 
 not in the store, so it finds no storage hit and prefills everything; its outputs are the
 references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
 loaded from A's objects; then the store is killed while B loads them again, and B still answers
-(the question, then the short prompt) with the references. Server C starts while the store is
+(the question, then the short prompt) with the references. B also drafts before the exact KV
+for a JSON-schema request (plain SGLang's output) and for sampled requests (plain SGLang's
+distribution, a few draws). Server C starts while the store is
 down, answers the short prompt, and reaches the store once it is back (retrying every 2 s,
 `VERICACHE_STORE_RETRY_SECONDS`), under SGLang's own fault injector
 (`SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`): every answer equals the reference. At most two
@@ -29,9 +31,11 @@ import requests
 from transformers import AutoTokenizer
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from tests.homogeneity import two_sample_pvalue
 from tests.speculative.identity import send_all
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess
+from vericache_sglang.speculative.meta_info import EARLY_DRAFTS_KEY
 from vericache_sglang.stores.mooncake_service import (
     MooncakeService,
     mooncake_unavailable_reason,
@@ -46,6 +50,9 @@ PAGES = PROMPT_TOKENS // PAGE_SIZE
 SHORT_TOKENS = 640
 OTHER_TOKENS = 1280
 DEVICE_TOKENS = 8192
+SAMPLES = 20
+"""Sampled answers per server over a stored prefix (each of B's read from the store)."""
+SAMPLED_TOKENS = 4
 STORE_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
               "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
@@ -71,6 +78,19 @@ def _server(model: Path, store: MooncakeService, vericache: bool,
 def _request(ids: list[int]) -> dict:
     return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
                                                   "ignore_eos": True}}
+
+
+def _sampled(prompts: dict[str, list[int]], n: int = 1) -> dict:
+    """A sampled request over the stored `other2` prefix (the csv module's source; a
+    question from bisect's after it)."""
+    return {"input_ids": prompts["other2"] + prompts["question"][-30:],
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": SAMPLED_TOKENS,
+                                "ignore_eos": True, "n": n}}
+
+
+def _early_drafts(out: dict) -> int:
+    """Tokens the request drafted before its prefix's exact KV had arrived."""
+    return out["meta_info"].get(EARLY_DRAFTS_KEY, [0])[0]
 
 
 def _state(server: ServerProcess) -> dict:
@@ -139,6 +159,7 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
         out["question_s"] = time.monotonic() - began
         out["short"] = plain.generate(_request(prompts["short"]))
         out["together"] = send_all(plain, _together(prompts))
+        out["sampled"] = plain.generate(_sampled(prompts, SAMPLES))
     return out
 
 
@@ -216,6 +237,40 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
     # scheduling; at least one of them read some.
     assert hits[0] + hits[1] > 0
     assert read >= (hits[2] + max(hits[:2])) // PAGE_SIZE
+
+
+def test_grammar_and_sampled_requests_draft_before_the_exact_kv(server_b, reference, prompts):
+    """Alone, after a flush, so that each reads its prefix from the store: a JSON-schema
+    request drafts under its grammar before the exact KV and answers plain SGLang's tokens;
+    sampled requests draft from q, their first token is SGLang's sampler's over the exact KV
+    and the stashed drafts are rejection sampled (verified, counted). Their tokens follow
+    plain SGLang's distribution: a few draws, a chi-square test per position."""
+    schema = _together(prompts)[1]
+    server_b.flush_cache()
+    answer = server_b.generate(schema)
+    assert _storage_hit(answer) > 0
+    assert _early_drafts(answer) >= 2
+    assert answer["output_ids"] == reference["together"][1]["output_ids"]
+    before = _state(server_b)["early_drafting"]
+    sampled = []
+    for _ in range(SAMPLES):
+        server_b.flush_cache()
+        sampled.append(server_b.generate(_sampled(prompts)))
+    after = _state(server_b)["early_drafting"]
+    drafted = [_early_drafts(out) for out in sampled]
+    print(f"\n[mooncake sampled] early drafts {drafted}; stash verified "
+          f"{after['stash_verified'] - before['stash_verified']}, accepted "
+          f"{after['stash_accepted'] - before['stash_accepted']}")
+    assert all(_storage_hit(out) > 0 for out in sampled)
+    assert all(n >= 1 for n in drafted)
+    assert after["stash_verified"] > before["stash_verified"]
+    plain = [out["output_ids"] for out in reference["sampled"]]
+    ours = [out["output_ids"] for out in sampled]
+    assert all(len(ids) == SAMPLED_TOKENS for ids in plain + ours)
+    pvalues = [two_sample_pvalue([ids[pos] for ids in plain], [ids[pos] for ids in ours])[0]
+               for pos in range(SAMPLED_TOKENS)]
+    print(f"[mooncake sampled] p per position {[f'{p:.3g}' for p in pvalues]}")
+    assert min(pvalues) >= 1e-3 / SAMPLED_TOKENS, pvalues
 
 
 def test_a_store_dying_while_pages_load_loses_nothing(server_b, store, reference, prompts):

@@ -14,7 +14,7 @@ import torch
 
 from tests.stores.test_file_store import _flat_page, _host_pool
 from vericache_sglang.codec import StreamError, decode_chunk
-from vericache_sglang.speculative.early import Stash
+from vericache_sglang.speculative.early import Stash, can_draft_early
 from vericache_sglang.stores.link import DraftingPlan, LinkMeter
 from vericache_sglang.stores.pages import PageCoder
 from vericache_sglang.stores.pending import PendingExact, check_early_drafting
@@ -189,6 +189,43 @@ def test_a_stash_keeps_what_continues_the_emitted_tokens() -> None:
     assert stash.length(["r"]) == 0
     stash.keep("s", [4, 6], first_token=5)  # the first draft was already wrong
     assert stash.length(["s"]) == 0
+
+
+def test_a_sampled_stash_keeps_each_drafts_distribution() -> None:
+    """A sampled request's stash hands verification the q each draft was drawn from, in
+    step with its drafts; a greedy request beside it gets zeros."""
+    stash = Stash()
+    q = [torch.full((4,), float(j)) for j in range(5)]
+    stash.keep("s", [1, 2, 3, 0, 2], first_token=1, probs=q)
+    stash.keep("g", [3, 3, 3, 3], first_token=3)
+    assert stash.length(["s", "g"]) == 3
+    steps = stash.take_probs(["s", "g"], 2, vocab=4, device="cpu")
+    assert [step[0, 0].item() for step in steps] == [1.0, 2.0]  # q of drafts 2 and 3
+    assert all(step[1].eq(0).all() for step in steps)
+    stash.advance("s", 2, accepted=2, bonus=0)  # drafts 2, 3 accepted, bonus as drafted
+    assert stash.take(["s"], 1, "cpu")[0].tolist() == [2]
+    assert stash.take_probs(["s"], 1, vocab=4, device="cpu")[0][0, 0].item() == 4.0
+    stash.keep("s", [2, 1], first_token=3, probs=q[:2])  # a new prefill replaces it
+    assert stash.length(["s"]) == 0
+
+
+def _prefill(**change) -> SimpleNamespace:
+    """A prefill batch as `can_draft_early` reads it: two whole prompts with a 3-token suffix,
+    one of them sampled (no penalties, bias or logprobs)."""
+    info = SimpleNamespace(penalizer_orchestrator=None, logit_bias=None)
+    reqs = [SimpleNamespace(extend_end=10, origin_input_ids=list(range(10)))] * 2
+    return SimpleNamespace(**({"sampling_info": info, "return_logprob": False,
+                               "return_hidden_states": False, "reqs": reqs,
+                               "extend_lens": [3, 3]} | change))
+
+
+def test_which_prefills_draft_early() -> None:
+    assert can_draft_early(_prefill(), [True, True])
+    assert not can_draft_early(_prefill(), [True, False])  # e.g. a custom logit processor
+    assert not can_draft_early(_prefill(return_logprob=True), [True, True])
+    assert not can_draft_early(_prefill(sampling_info=SimpleNamespace(
+        penalizer_orchestrator=None, logit_bias=torch.zeros(2, 4))), [True, True])
+    assert not can_draft_early(_prefill(extend_lens=[3, 600]), [True, True])  # past MAX_SUFFIX
 
 
 @pytest.mark.parametrize(("change", "needs"), [

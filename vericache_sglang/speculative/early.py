@@ -10,19 +10,28 @@ drafts over the compressed tier, which already holds those pages (installed from
    steps is the time they still need, measured by asking after each step, capped at
    `MAX_EARLY_DRAFTS`).
 
+Drafts are chosen as a round's are (`sampling.draft_tokens`): greedy and seeded requests take
+the token their sampler would, sampled requests draw from the draft distribution q, which is
+kept for verification, and a grammar masks every draft step (its matcher advances over the
+drafts and is rolled back after them).
+
 Then the barrier writes the exact KV, and the suffix runs over it as one verification chain
-(`prefill_over_exact`): the argmax at its last position is the first output token. The drafts
-after it are the request's stash
-(`Stash`): the following decode rounds verify them over the full KV instead of drafting,
-`--vericache-max-draft-length` at a time, until one is rejected. So every emitted token still
-comes from a forward over the exact KV. Only greedy requests without a grammar, penalties or
-logprobs draft early (their drafts need no distribution); others wait at the barrier.
+(`prefill_over_exact`): SGLang's own sampler takes the first output token from the logits at
+its last position, as in its own prefill (grammar mask, seed); a sampled request's first draft
+is instead kept or replaced by rejection sampling there (`first_tokens`). When that token is
+the first draft, the drafts after it are the request's stash (`Stash`): the following decode rounds
+verify them over the full KV instead of drafting, `--vericache-max-draft-length` at a time
+(greedy and seeded: the longest prefix the sampler would choose; sampled: rejection sampling
+against the kept q), until one is rejected. So every emitted token still comes from a forward
+over the exact KV. Requests with penalties, a logit bias, a custom logit processor or
+logprobs wait at the barrier without drafting.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,33 +42,51 @@ from vericache_sglang.speculative.forwards import (
     draft_forward_batch,
     extend_forward_batch,
 )
+from vericache_sglang.speculative.grammar import RoundGrammar
 from vericache_sglang.speculative.round import Round, room
-from vericache_sglang.speculative.sampling import SamplingRows
+from vericache_sglang.speculative.sampling import (
+    SamplingRows,
+    draft_tokens,
+    filtered_probs,
+    sample_against_draft,
+    softmax_probs,
+)
 
 logger = logging.getLogger(__name__)
 
 MAX_EARLY_DRAFTS = 256
 """Drafts a request makes at most before its exact KV arrives."""
+MAX_EARLY_SAMPLED_DRAFTS = 64
+"""The same for a batch with sampled requests: each of their drafts keeps its distribution q
+(vocabulary-sized) until verified."""
 MAX_SUFFIX = 512
 """Longer uncached suffixes are not drafted over the compressed prefix (the scratch tail
 holds the suffix too)."""
 
 
-def can_draft_early(batch) -> bool:
-    """Whether this prefill batch's requests may draft before the exact KV: whole prompts,
-    greedy, without a grammar, penalties, logit processors or logprobs."""
+def can_draft_early(batch, drafting: list[bool]) -> bool:
+    """Whether this prefill batch's requests may draft before the exact KV: whole prompts
+    whose rounds would draft (`drafting`: `eligibility.drafting_rows`), without penalties, a
+    logit bias or logprobs."""
     info = batch.sampling_info
-    return (info.is_all_greedy and not batch.return_logprob and not batch.return_hidden_states
-            and info.grammars is None
+    return (all(drafting) and not batch.return_logprob and not batch.return_hidden_states
             and not (info.penalizer_orchestrator and info.penalizer_orchestrator.is_required)
             and info.logit_bias is None
-            and all(req.custom_logit_processor is None and req.extend_end
-                    == len(req.origin_input_ids) for req in batch.reqs)
+            and all(req.extend_end == len(req.origin_input_ids) for req in batch.reqs)
             and 0 < max(batch.extend_lens) <= MAX_SUFFIX)
 
 
+@dataclass
+class EarlyDrafts:
+    """Each request's drafts after its prompt, and for sampled requests the distribution q
+    each was drawn from ([V], None for the others)."""
+
+    tokens: list[list[int]]
+    probs: list[list[torch.Tensor] | None]
+
+
 def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
-                waiting: Callable[[], bool]) -> list[list[int]]:
+                waiting: Callable[[], bool]) -> EarlyDrafts:
     """Each request's drafts after its prompt, made over the compressed prefix while
     `waiting()` says the exact KV is still on its way."""
     reqs = batch.reqs
@@ -81,7 +108,27 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
         positions=positions, locs=req_to_token[slots[:, None], positions].to(torch.int64),
         tokens=[], grammar=None, penalties=None,
         rows=SamplingRows.from_sampling_info(batch.sampling_info), drafts=[True] * bs)
-    drafts: list[list[int]] = [[] for _ in reqs]
+    sampled = round_.rows.sampled.tolist()
+    cap = MAX_EARLY_SAMPLED_DRAFTS if any(sampled) else MAX_EARLY_DRAFTS
+    # More drafts than the longest request may emit would never be verified.
+    wanted = min(cap, max(room(reqs)))
+    grammar = RoundGrammar.for_batch(reqs, batch.sampling_info.vocab_size, wanted + 1)
+    drafts = EarlyDrafts([[] for _ in reqs], [[] if s else None for s in sampled])
+
+    def choose(logits: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Each request's next draft from its logits [bs, V] at suffix step `steps[i]`."""
+        if grammar is not None:
+            grammar.constrain_draft(logits, len(drafts.tokens[0]))
+        token, q = draft_tokens(logits, round_.rows,
+                                committed + torch.tensor(steps, device=device))
+        for i, t in enumerate(token.tolist()):
+            drafts.tokens[i].append(t)
+            if sampled[i]:
+                drafts.probs[i].append(q[i])
+        if grammar is not None:
+            grammar.advance(token)
+        return token
+
     backend.begin_round(round_.slots, prefix, steps_max)
     try:
         requests = [i for i in range(bs) for _ in range(suffix[i])]
@@ -91,30 +138,46 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
                                  batch.input_ids.to(torch.int64))
         logits = forwards.draft_logits(backend, fb, bs)
         ends = torch.tensor(suffix).cumsum(0) - 1
-        last = logits[ends.to(logits.device)].argmax(-1)
-        for i, token in enumerate(last.tolist()):
-            drafts[i].append(token)
-        # More drafts than the longest request may emit would never be verified.
-        wanted = min(MAX_EARLY_DRAFTS, max(room(reqs)))
-        while waiting() and len(drafts[0]) < wanted:
-            steps = [suffix[i] + len(drafts[i]) - 1 for i in range(bs)]
+        last = choose(logits[ends.to(logits.device)], [n - 1 for n in suffix])
+        while waiting() and len(drafts.tokens[0]) < wanted:
+            steps = [suffix[i] + len(drafts.tokens[i]) - 1 for i in range(bs)]
             backend.set_rows(list(range(bs)), steps)
             fb = draft_forward_batch(batch, round_, torch.arange(bs), torch.tensor(steps),
                                      last)
-            last = forwards.draft_logits(backend, fb, bs).argmax(-1)
-            for i, token in enumerate(last.tolist()):
-                drafts[i].append(token)
+            last = choose(forwards.draft_logits(backend, fb, bs), steps)
     finally:
         backend.end_round()
+        if grammar is not None:
+            grammar.finish_drafting()
     return drafts
 
 
+def first_tokens(logits: torch.Tensor, tokens: torch.Tensor, batch,
+                 drafts: EarlyDrafts) -> torch.Tensor:
+    """Each request's first output token [bs]: `tokens`, SGLang's sampler's from the prefill's
+    last logits (`logits`: a copy taken before the sampler masked them), but for sampled
+    requests their first draft kept or replaced by speculative rejection sampling against p
+    there (`sample_against_draft`). Either way the token follows p; the draft survives, and
+    with it the stash, with probability sum(min(p, q)) instead of sum(p q)."""
+    rows = SamplingRows.from_sampling_info(batch.sampling_info)
+    if not rows.any_sampled:
+        return tokens
+    grammar = RoundGrammar.for_batch(batch.reqs, batch.sampling_info.vocab_size, 1)
+    if grammar is not None:  # the mask SGLang's sampler applied (nothing drafted yet)
+        grammar.constrain_draft(logits, 0)
+    p = filtered_probs(softmax_probs(logits, rows), rows)
+    q = torch.stack([probs[0] if probs else p.new_zeros(p.shape[-1])
+                     for probs in drafts.probs])
+    first = torch.tensor([chain[0] for chain in drafts.tokens], device=tokens.device)
+    return torch.where(rows.sampled, sample_against_draft(p, q, first), tokens.reshape(-1))
+
+
 def prefill_over_exact(forwards: TargetForwards, backend, batch) -> torch.Tensor | None:
-    """The last position's logits [bs, V] of each request's uncached suffix, run over the
-    exact KV as one verification chain (`backend`: the round's verify backend), its K/V
-    written at the slots SGLang allocated for the prefill. Only the suffix's queries are
-    computed, where SGLang's CPU extend attends the whole sequence as a square. None when the
-    batch's suffixes differ in length (a chain has one width)."""
+    """The last position's logits [bs, V] of each request's uncached suffix (not yet masked
+    or sampled), run over the exact KV as one verification chain (`backend`: the round's
+    verify backend), its K/V written at the slots SGLang allocated for the prefill. Only the
+    suffix's queries are computed, where SGLang's CPU extend attends the whole sequence as a
+    square. None when the batch's suffixes differ in length (a chain has one width)."""
     width = batch.extend_lens[0]
     if any(n != width for n in batch.extend_lens):
         return None
@@ -129,17 +192,22 @@ def prefill_over_exact(forwards: TargetForwards, backend, batch) -> torch.Tensor
 
 
 class Stash:
-    """Drafts made before the exact KV, per request, waiting for the rounds that verify them."""
+    """Drafts made before the exact KV, per request, waiting for the rounds that verify them;
+    for a sampled request also the distribution q each was drawn from."""
 
     def __init__(self) -> None:
         self._drafts: dict[str, list[int]] = {}
+        self._probs: dict[str, list[torch.Tensor]] = {}
 
-    def keep(self, rid: str, drafts: list[int], first_token: int) -> None:
-        """The prefill over the exact KV emitted `first_token`; `drafts` began there."""
+    def keep(self, rid: str, drafts: list[int], first_token: int,
+             probs: list[torch.Tensor] | None = None) -> None:
+        """The prefill over the exact KV emitted `first_token`; `drafts` began there
+        (`probs`: their q, a sampled request's)."""
+        self.forget(rid)
         if drafts and drafts[0] == first_token and len(drafts) > 1:
             self._drafts[rid] = drafts[1:]
-        else:
-            self._drafts.pop(rid, None)
+            if probs is not None:
+                self._probs[rid] = probs[1:]
 
     def length(self, rids: list[str]) -> int:
         """Drafts a round can take from every one of these requests' stashes (0: draft)."""
@@ -150,22 +218,36 @@ class Stash:
         return [torch.tensor([self._drafts[rid][j] for rid in rids], device=device)
                 for j in range(k)]
 
+    def take_probs(self, rids: list[str], k: int, vocab: int, device) -> list[torch.Tensor]:
+        """q of the next `k` drafts, step by step [bs, V] (float32, as `draft_tokens` makes
+        them): zeros for requests that do not sample (verification reads q only for the ones
+        that do)."""
+        zeros = torch.zeros(vocab, device=device)
+        return [torch.stack([self._probs[rid][j] if rid in self._probs else zeros
+                             for rid in rids]) for j in range(k)]
+
     def advance(self, rid: str, k: int, accepted: int, bonus: int) -> None:
         """A round verified `k` stashed drafts of `rid`, accepted `accepted` and emitted
-        `bonus` after them: keep what still continues the emitted text."""
+        `bonus` after them: keep what still continues the emitted text. (A sampled request's
+        later drafts were drawn from their q given the drafts before them, independently of
+        verification's draws, so they remain valid drafts after a bonus equal to the next.)"""
         drafts = self._drafts.get(rid)
         if drafts is None:
             return
         if accepted == k and len(drafts) > k and drafts[k] == bonus:
             self._drafts[rid] = drafts[k + 1:]
+            if rid in self._probs:
+                self._probs[rid] = self._probs[rid][k + 1:]
         else:
-            del self._drafts[rid]
+            self.forget(rid)
 
     def forget(self, rid: str) -> None:
         self._drafts.pop(rid, None)
+        self._probs.pop(rid, None)
 
     def clear(self) -> None:
         self._drafts.clear()
+        self._probs.clear()
 
 
 def recompute_prefixes(forwards: TargetForwards, batch, failed: list[torch.Tensor]) -> None:

@@ -98,6 +98,24 @@ def first_position_forward_batch(batch, round_: Round) -> ForwardBatch:
     )
 
 
+def prefill_sampling_forward_batch(batch) -> ForwardBatch:
+    """What SGLang's sampler reads when it takes a prefill's first token from logits computed
+    here (`early.prefill_over_exact`): the batch's own sampling info, whose grammar masks,
+    penalties and bias the sampler applies as in SGLang's prefill, and each request's last
+    prompt position (where a seeded request draws). SGLang gives the sampling info its
+    requests' grammars when it builds a forward from the batch (`ForwardBatch.init_new`);
+    this forward is not built from it, so they are given here the same way."""
+    seq_lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+    grammars = [req.grammar for req in batch.reqs] if batch.has_grammar else None
+    return _forward_batch(
+        ForwardMode.DECODE, input_ids=batch.input_ids, req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens, seq_lens_cpu=seq_lens_cpu, out_cache_loc=batch.out_cache_loc,
+        positions=batch.seq_lens - 1, spec_algorithm=SpeculativeAlgorithm.NONE,
+        sampling_info=dataclasses.replace(batch.sampling_info, grammars=grammars),
+        return_logprob=False,
+    )
+
+
 def extend_forward_batch(input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
                          seq_lens: torch.Tensor, prefix_lens: torch.Tensor,
                          out_cache_loc: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:

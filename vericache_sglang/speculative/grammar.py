@@ -126,6 +126,15 @@ class RoundGrammar:
             self._advanced[i] -= extra
         self._accept(i, token)
 
+    def replay(self, tokens: list[torch.Tensor]) -> None:
+        """Record the masks of a chain t0, d1..dk drafted before this round (a stash,
+        `early.py`): advance over each draft after filling its position's mask, then roll
+        back as after drafting."""
+        for step, token in enumerate(tokens[1:]):
+            self._fill(step)
+            self.advance(token)
+        self.finish_drafting()
+
     def finish_drafting(self) -> None:
         """Record the bonus position's masks and roll every grammar back to the round start."""
         self._fill(self.width - 1)

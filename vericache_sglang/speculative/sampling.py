@@ -297,6 +297,15 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     return accepted, tokens
 
 
+def sample_against_draft(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """One position of speculative rejection sampling, with no bonus after it: keep each
+    draft [n] (drawn from q [n, V]) with probability min(1, p/q), else draw from the
+    residual. The token [n] follows p [n, V], and equals the draft with probability
+    sum(min(p, q)), where an independent draw from p would with only sum(p q)."""
+    _, tokens = rejection_sample(torch.stack([p, p], dim=1), q[:, None], drafts[:, None])
+    return tokens[:, 0]
+
+
 def verify_tokens(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
                   rows: SamplingRows, positions: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,14 +57,19 @@ from vericache_sglang.speculative.backends import RoundBackends
 from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.drafting import draft_stacked, draft_steps
 from vericache_sglang.speculative.early import (
+    EarlyDrafts,
     Stash,
     can_draft_early,
     draft_early,
+    first_tokens,
     prefill_over_exact,
     recompute_prefixes,
 )
 from vericache_sglang.speculative.eligibility import drafting_rows
-from vericache_sglang.speculative.forwards import TargetForwards
+from vericache_sglang.speculative.forwards import (
+    TargetForwards,
+    prefill_sampling_forward_batch,
+)
 from vericache_sglang.speculative.grammar import RoundGrammar
 from vericache_sglang.speculative.info import VeriCacheDraftInput
 from vericache_sglang.speculative.meta_info import (
@@ -232,7 +237,7 @@ class VeriCacheWorker(BaseSpecWorker):
         early = self._before_exact_kv(batch)
         try:
             if early is not None:
-                result = self._prefill_after_drafting(batch)
+                result = self._prefill_after_drafting(batch, early)
                 self._keep_early_drafts(batch, early, result)
             elif batch.forward_mode.is_decode():
                 result = self._decode(batch)
@@ -258,7 +263,7 @@ class VeriCacheWorker(BaseSpecWorker):
         return result
 
     # -- a stored prefix whose exact KV is still arriving (speculative/early.py) --------------
-    def _before_exact_kv(self, batch) -> list[list[int]] | None:
+    def _before_exact_kv(self, batch) -> EarlyDrafts | None:
         """Write the exact KV of stored pages that arrived into their host pages and device
         slots. Before a forward reads a page still waiting, wait for it (the barrier): a
         prefill that may drafts over the compressed tier meanwhile, and its drafts (per
@@ -269,14 +274,16 @@ class VeriCacheWorker(BaseSpecWorker):
         if PENDING.on_device():
             began = time.perf_counter()
             if (batch.forward_mode.is_extend() and not PENDING.device_ready()
-                    and can_draft_early(batch)):
+                    and can_draft_early(batch, drafting_rows(
+                        batch, self.model_runner.sampler,
+                        get_exec().kernel.sampling_backend))):
                 drafts = draft_early(self.forwards, self.backends.draft, batch,
                                      self._drafting_goes_on)
             drafting = time.perf_counter() - began
             settled = PENDING.settle(block=True)
             logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
                         "KV, then %.2f s waiting for the exact KV of %d pages",
-                        "no" if drafts is None else sum(map(len, drafts)), drafting,
+                        "no" if drafts is None else sum(map(len, drafts.tokens)), drafting,
                         settled.waited_seconds, len(settled.writes) + len(settled.failed))
         else:
             settled = PENDING.settle(block=False)
@@ -318,14 +325,15 @@ class VeriCacheWorker(BaseSpecWorker):
         return torch.stack([torch.stack([buffer[index].cpu() for buffer in buffers])
                             for buffers in (pool.k_buffer, pool.v_buffer)])
 
-    def _keep_early_drafts(self, batch, drafts: list[list[int]],
+    def _keep_early_drafts(self, batch, drafts: EarlyDrafts,
                            result: GenerationBatchResult) -> None:
         """Keep the drafts that follow each request's first token as its stash."""
         first = result.next_token_ids.reshape(-1).tolist()
-        for req, chain, token in zip(batch.reqs, drafts, first, strict=True):
-            self.stash.keep(req.rid, chain, token)
+        for req, chain, probs, token in zip(batch.reqs, drafts.tokens, drafts.probs, first,
+                                            strict=True):
+            self.stash.keep(req.rid, chain, token, probs)
             add_to_meta_info(req, EARLY_DRAFTS_KEY, len(chain))
-        self.stats.add_early(sum(map(len, drafts)))
+        self.stats.add_early(sum(map(len, drafts.tokens)))
 
     # -- request lifetime ----------------------------------------------------------------------
     def _release(self, slot: int) -> None:
@@ -364,17 +372,21 @@ class VeriCacheWorker(BaseSpecWorker):
             ADMISSION.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
         return self._prefilled(batch, result)
 
-    def _prefill_after_drafting(self, batch) -> GenerationBatchResult:
-        """The prefill of a batch that drafted before its exact KV (greedy requests): the
-        suffix as a verification chain over the exact KV, its first token the argmax there
-        (`early.prefill_over_exact`); SGLang's own prefill when the suffixes differ in
-        length."""
+    def _prefill_after_drafting(self, batch, drafts: EarlyDrafts) -> GenerationBatchResult:
+        """The prefill of a batch that drafted before its exact KV: the suffix as a
+        verification chain over the exact KV (`early.prefill_over_exact`), its first token
+        SGLang's own sampler's from the last position's logits, or a sampled request's first
+        draft kept by rejection sampling (`early.first_tokens`); SGLang's own prefill when
+        the suffixes differ in length."""
         last = prefill_over_exact(self.forwards, self.backends.verify, batch)
         if last is None:
             return self._prefill(batch)
+        raw = last.clone()  # the sampler changes its logits in place
+        logits_output = LogitsProcessorOutput(next_token_logits=last)
+        tokens = first_tokens(raw, self.model_runner.sample(
+            logits_output, prefill_sampling_forward_batch(batch)), batch, drafts)
         return self._prefilled(batch, GenerationBatchResult(
-            logits_output=LogitsProcessorOutput(next_token_logits=last),
-            next_token_ids=last.argmax(-1), can_run_cuda_graph=False))
+            logits_output=logits_output, next_token_ids=tokens, can_run_cuda_graph=False))
 
     def _prefilled(self, batch, result: GenerationBatchResult) -> GenerationBatchResult:
         """A prefill's result, with the state the first round starts from."""
@@ -421,8 +433,13 @@ class VeriCacheWorker(BaseSpecWorker):
         round_ = self._plan_round(batch, committed, committed_cpu, bonus)
         backends = self.backends
         if round_.stashed:
-            round_.tokens += self.stash.take([req.rid for req in batch.reqs], round_.k,
-                                             committed.device)
+            rids = [req.rid for req in batch.reqs]
+            round_.tokens += self.stash.take(rids, round_.k, committed.device)
+            if round_.rows.any_sampled:
+                round_.draft_probs = self.stash.take_probs(
+                    rids, round_.k, batch.sampling_info.vocab_size, committed.device)
+            if round_.grammar is not None:
+                round_.grammar.replay(round_.tokens)
         elif self.drafter is not None and round_.k > 0:
             draft_stacked(self.forwards, backends.draft, self.drafter, self.drafter_policy,
                           batch, round_)
