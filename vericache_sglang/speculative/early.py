@@ -94,7 +94,12 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
     device = batch.seq_lens.device
     prefix = list(batch.prefix_lens)
     suffix = list(batch.extend_lens)
-    steps_max = max(suffix) + MAX_EARLY_DRAFTS
+    rows = SamplingRows.from_sampling_info(batch.sampling_info)
+    sampled = rows.sampled.tolist()
+    cap = MAX_EARLY_SAMPLED_DRAFTS if any(sampled) else MAX_EARLY_DRAFTS
+    # More drafts than the longest request may emit would never be verified.
+    wanted = min(cap, max(room(reqs)))
+    steps_max = max(suffix) + wanted  # the draft backend's scratch tail holds them all
     committed = torch.tensor(prefix, dtype=torch.int64, device=device)
     req_to_token = forwards.model_runner.req_to_token_pool.req_to_token
     slots = batch.req_pool_indices.to(torch.int64)
@@ -106,12 +111,7 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
         k=steps_max, room=[steps_max] * bs, committed=committed,
         committed_cpu=committed.cpu(), slots=[req.kv.req_pool_idx for req in reqs],
         positions=positions, locs=req_to_token[slots[:, None], positions].to(torch.int64),
-        tokens=[], grammar=None, penalties=None,
-        rows=SamplingRows.from_sampling_info(batch.sampling_info), drafts=[True] * bs)
-    sampled = round_.rows.sampled.tolist()
-    cap = MAX_EARLY_SAMPLED_DRAFTS if any(sampled) else MAX_EARLY_DRAFTS
-    # More drafts than the longest request may emit would never be verified.
-    wanted = min(cap, max(room(reqs)))
+        tokens=[], grammar=None, penalties=None, rows=rows, drafts=[True] * bs)
     grammar = RoundGrammar.for_batch(reqs, batch.sampling_info.vocab_size, wanted + 1)
     drafts = EarlyDrafts([[] for _ in reqs], [[] if s else None for s in sampled])
 
