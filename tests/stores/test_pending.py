@@ -212,7 +212,7 @@ def test_a_sampled_stash_keeps_each_drafts_distribution() -> None:
 def _prefill(**change) -> SimpleNamespace:
     """A prefill batch as `can_draft_early` reads it: two whole prompts with a 3-token suffix,
     one of them sampled (no penalties, bias or logprobs)."""
-    info = SimpleNamespace(penalizer_orchestrator=None, logit_bias=None)
+    info = SimpleNamespace(penalizer_orchestrator=None, logit_bias=None, sampling_seed=None)
     reqs = [SimpleNamespace(extend_end=10, origin_input_ids=list(range(10)))] * 2
     return SimpleNamespace(**({"sampling_info": info, "return_logprob": False,
                                "return_hidden_states": False, "reqs": reqs,
@@ -224,7 +224,11 @@ def test_which_prefills_draft_early() -> None:
     assert not can_draft_early(_prefill(), [True, False])  # e.g. a custom logit processor
     assert not can_draft_early(_prefill(return_logprob=True), [True, True])
     assert not can_draft_early(_prefill(sampling_info=SimpleNamespace(
-        penalizer_orchestrator=None, logit_bias=torch.zeros(2, 4))), [True, True])
+        penalizer_orchestrator=None, logit_bias=torch.zeros(2, 4), sampling_seed=None)),
+        [True, True])
+    assert not can_draft_early(_prefill(sampling_info=SimpleNamespace(  # seeded: they wait
+        penalizer_orchestrator=None, logit_bias=None, sampling_seed=torch.zeros(2))),
+        [True, True])
     assert not can_draft_early(_prefill(extend_lens=[3, 600]), [True, True])  # past MAX_SUFFIX
 
 

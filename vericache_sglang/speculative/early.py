@@ -10,21 +10,21 @@ drafts over the compressed tier, which already holds those pages (installed from
    steps is the time they still need, measured by asking after each step, capped at
    `MAX_EARLY_DRAFTS`).
 
-Drafts are chosen as a round's are (`sampling.draft_tokens`): greedy and seeded requests take
-the token their sampler would, sampled requests draw from the draft distribution q, which is
+Drafts are chosen as a round's are (`sampling.draft_tokens`): greedy requests take the
+token their sampler would, sampled requests draw from the draft distribution q, which is
 kept for verification, and a grammar masks every draft step (its matcher advances over the
 drafts and is rolled back after them).
 
 Then the barrier writes the exact KV, and the suffix runs over it as one verification chain
 (`prefill_over_exact`): SGLang's own sampler takes the first output token from the logits at
-its last position, as in its own prefill (grammar mask, seed); a sampled request's first draft
-is instead kept or replaced by rejection sampling there (`first_tokens`). When that token is
-the first draft, the drafts after it are the request's stash (`Stash`): the following decode rounds
-verify them over the full KV instead of drafting, `--vericache-max-draft-length` at a time
-(greedy and seeded: the longest prefix the sampler would choose; sampled: rejection sampling
-against the kept q), until one is rejected. So every emitted token still comes from a forward
-over the exact KV. Requests with penalties, a logit bias, a custom logit processor or
-logprobs wait at the barrier without drafting.
+its last position, as in its own prefill (grammar mask, temperature, filters); a sampled
+request's first draft is instead kept or replaced by rejection sampling there
+(`first_tokens`). When that token is the first draft, the drafts after it are the request's
+stash (`Stash`): the following decode rounds verify them over the full KV instead of drafting,
+`--vericache-max-draft-length` at a time (greedy: the longest prefix the sampler would choose;
+sampled: rejection sampling against the kept q), until one is rejected. So every emitted token
+still comes from a forward over the exact KV. Requests with a seed, penalties, a logit bias, a
+custom logit processor or logprobs wait at the barrier without drafting.
 """
 
 from __future__ import annotations
@@ -66,10 +66,13 @@ holds the suffix too)."""
 
 def can_draft_early(batch, drafting: list[bool]) -> bool:
     """Whether this prefill batch's requests may draft before the exact KV: whole prompts
-    whose rounds would draft (`drafting`: `eligibility.drafting_rows`), without penalties, a
-    logit bias or logprobs."""
+    whose rounds would draft (`drafting`: `eligibility.drafting_rows`), greedy or sampled,
+    without a seed, penalties, a logit bias or logprobs."""
     info = batch.sampling_info
-    return (all(drafting) and not batch.return_logprob and not batch.return_hidden_states
+    # Seeded requests (deterministic inference) wait: no test yet compares their output
+    # with plain SGLang's through this path.
+    return (all(drafting) and info.sampling_seed is None
+            and not batch.return_logprob and not batch.return_hidden_states
             and not (info.penalizer_orchestrator and info.penalizer_orchestrator.is_required)
             and info.logit_bias is None
             and all(req.extend_end == len(req.origin_input_ids) for req in batch.reqs)
@@ -119,7 +122,7 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
         """Each request's next draft from its logits [bs, V] at suffix step `steps[i]`."""
         if grammar is not None:
             grammar.constrain_draft(logits, len(drafts.tokens[0]))
-        token, q = draft_tokens(logits, round_.rows,
+        token, q = draft_tokens(logits, rows,
                                 committed + torch.tensor(steps, device=device))
         for i, t in enumerate(token.tolist()):
             drafts.tokens[i].append(t)
