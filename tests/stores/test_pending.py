@@ -209,6 +209,19 @@ def test_a_sampled_stash_keeps_each_drafts_distribution() -> None:
     assert stash.length(["s"]) == 0
 
 
+def test_a_stash_counts_the_storages_its_q_keep_alive() -> None:
+    """Each draft step's q is one [bs, V] tensor: a request's rows keep all of it alive."""
+    stash = Stash()
+    steps = [torch.rand(3, 8) for _ in range(4)]
+    stash.keep("s", [1, 2, 3, 4], first_token=1, probs=[step[0] for step in steps])
+    stash.keep("t", [1, 2, 3, 4], first_token=1, probs=[step[1] for step in steps])
+    assert stash.nbytes() == 3 * 3 * 8 * 4  # steps 2-4, counted once for both requests
+    stash.forget("s")
+    assert stash.nbytes() == 3 * 3 * 8 * 4
+    stash.forget("t")
+    assert stash.nbytes() == 0
+
+
 def _prefill(**change) -> SimpleNamespace:
     """A prefill batch as `can_draft_early` reads it: two whole prompts with a 3-token suffix,
     one of them sampled (no penalties, bias or logprobs)."""

@@ -145,15 +145,17 @@ class RoundBackends:
         pool = 0 if self.pool is None else self.pool.held_bytes()
         return pool + self.tier.nbytes() + self.draft.round_buffer_bytes()
 
-    def device_bytes(self, peak_round_bytes: int) -> dict[str, int]:
+    def device_bytes(self, peak_round_bytes: int, stash_bytes: int) -> dict[str, int]:
         """Device bytes VeriCache allocated, measured from storages: the compressed pool (all
-        its pages), the staging area, and the largest round buffers seen (drafting windows
-        and tails, the verify chain); with host placement their sum stays within the budget."""
+        its pages), the staging area, the largest round buffers seen (drafting windows
+        and tails, the verify chain), and the q of sampled early drafts still stashed; with
+        host placement their sum stays within the budget."""
         report = {
             "compressed_pool": 0 if self.pool is None else self.pool.allocated_bytes(),
             "staging": 0 if self.staging is None else self.staging.allocated_bytes(),
             "peak_round_buffers": peak_round_bytes,
             "request_blocks": self.tier.nbytes(),
+            "early_draft_stash": stash_bytes,
         }
         report["total"] = sum(report.values())
         return report

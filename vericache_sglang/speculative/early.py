@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.speculative.forwards import (
     TargetForwards,
     chain_forward_batch,
@@ -243,6 +244,11 @@ class Stash:
                 self._probs[rid] = self._probs[rid][k + 1:]
         else:
             self.forget(rid)
+
+    def nbytes(self) -> int:
+        """Device bytes the kept q hold, from their storages (a request's row keeps its whole
+        draft step's [bs, V] alive)."""
+        return storage_bytes(q for probs in self._probs.values() for q in probs)
 
     def forget(self, rid: str) -> None:
         self._drafts.pop(rid, None)

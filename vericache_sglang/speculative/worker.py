@@ -171,7 +171,7 @@ class VeriCacheWorker(BaseSpecWorker):
         store = STORE_STATS.snapshot()
         return {
             "full_tier": self.placement,
-            "device_bytes": backends.device_bytes(stats.peak_round_bytes),
+            "device_bytes": backends.device_bytes(stats.peak_round_bytes, self.stash.nbytes()),
             "device_budget_bytes": (None if backends.plan is None
                                     else backends.plan.device_budget_bytes),
             # A draft model's weights (less what it shares with the target) and its own KV:
