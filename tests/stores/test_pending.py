@@ -210,7 +210,8 @@ def test_a_sampled_stash_keeps_each_drafts_distribution() -> None:
 
 
 def test_a_stash_counts_the_storages_its_q_keep_alive() -> None:
-    """Each draft step's q is one [bs, V] tensor: a request's rows keep all of it alive."""
+    """The stash's bytes are its q's storages: rows viewing one tensor keep all of it alive,
+    counted once."""
     stash = Stash()
     steps = [torch.rand(3, 8) for _ in range(4)]
     stash.keep("s", [1, 2, 3, 4], first_token=1, probs=[step[0] for step in steps])

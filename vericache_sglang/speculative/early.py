@@ -128,7 +128,9 @@ def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
         for i, t in enumerate(token.tolist()):
             drafts.tokens[i].append(t)
             if sampled[i]:
-                drafts.probs[i].append(q[i])
+                # Its own row: a view would keep the step's whole [bs, V] (greedy rows too)
+                # alive in the stash.
+                drafts.probs[i].append(q[i].clone())
         if grammar is not None:
             grammar.advance(token)
         return token
@@ -246,8 +248,7 @@ class Stash:
             self.forget(rid)
 
     def nbytes(self) -> int:
-        """Device bytes the kept q hold, from their storages (a request's row keeps its whole
-        draft step's [bs, V] alive)."""
+        """Device bytes the kept q hold, from their storages (each counted once)."""
         return storage_bytes(q for probs in self._probs.values() for q in probs)
 
     def forget(self, rid: str) -> None:
