@@ -141,6 +141,44 @@ def test_presets():
     assert pm.HARDWARE["h200"].hbm_gbps == 4800 and pm.HARDWARE["gh200"].host_link_gbps == 450
 
 
+def test_new_presets_kv_bytes_by_hand():
+    # GQA: K and V, 2 * layers * kv_heads * head_dim * 2 bytes (bf16)
+    assert pm.GEOMETRIES["qwen3-32b"].full_kv_bytes_per_token() == 2 * 64 * 8 * 128 * 2 == 262144
+    assert pm.GEOMETRIES["mixtral-8x7b"].full_kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 \
+        == 131072
+    # MLA: one latent of 512 + 64 per layer, no factor 2 and no heads: 61 * 576 * 2
+    deepseek = pm.GEOMETRIES["deepseek-v3"]
+    assert deepseek.full_kv_bytes_per_token() == 61 * 576 * 2 == 70272
+    assert deepseek.full_kv_bytes_per_token(1) == 35136  # fp8 KV
+    # its released weights are fp8: all 671e9 parameters held, one byte each
+    assert deepseek.weight_bytes == pytest.approx(671e9)
+
+
+def test_moe_reads_active_weights_by_hand():
+    mixtral = pm.GEOMETRIES["mixtral-8x7b"]
+    assert mixtral.weight_bytes == pytest.approx(46.7e9 * 2)  # HBM holds every expert
+    # a forward of t tokens reads min(46.7e9, t * 12.9e9) params in bf16
+    assert mixtral.weight_bytes_read(1) == pytest.approx(12.9e9 * 2)
+    assert mixtral.weight_bytes_read(2) == pytest.approx(25.8e9 * 2)
+    assert mixtral.weight_bytes_read(9) == pytest.approx(46.7e9 * 2)  # capped: a k = 8 verify
+    # one token over 1000 keys of 131,072 B on the toy machine: (25.8e9 + 131.072e6) / 1e12 s;
+    # its FLOPs, 2 * 12.9e9 + 4 * 32 * 32 * 128 * 1000 = 26.32e9, take 26 us
+    w = Workload(context=1000, batch=1, compressed_bytes_per_token=1)
+    assert mixtral.flops_per_token(1000) == pytest.approx(2 * 12.9e9 + 4 * 32 * 32 * 128 * 1000)
+    assert pm.predict_plain(mixtral, MACHINE, w).step_s == pytest.approx(25.931072e-3)
+    # nine tokens and no KV: 93.4e9 B / 1e12 = 93.4 ms (FLOPs 9 * 25.8e9: 0.23 ms)
+    assert pm.forward_seconds(mixtral, MACHINE, 9, 0, 0) == pytest.approx(93.4e-3)
+    # a dense model reads all its weights at any token count
+    assert TOY.weight_bytes_read(1) == TOY.weight_bytes_read(1000) == TOY.weight_bytes == 2e9
+
+
+def test_mla_attention_flops_by_hand():
+    # absorbed MLA: QK^T and PV over the 576-wide latent, 4 FLOPs per key per query head
+    # per layer, plus 2 per active parameter
+    deepseek = pm.GEOMETRIES["deepseek-v3"]
+    assert deepseek.flops_per_token(1000) == pytest.approx(2 * 37e9 + 4 * 61 * 128 * 576 * 1000)
+
+
 def test_plain_slows_with_context():
     g, hw = pm.GEOMETRIES["llama-3-8b"], pm.HARDWARE["h200"]
     speeds = [pm.predict_plain(g, hw, Workload(context=c, batch=4,
@@ -220,6 +258,14 @@ def test_invalid_geometry_and_hardware():
         replace(TOY, layers=0)
     with pytest.raises(ValueError, match="Hardware.host_link_gbps must be a positive"):
         replace(MACHINE, host_link_gbps=-55)
+    with pytest.raises(ValueError, match="Geometry.kv_latent_dim must be a positive number, "
+                                         "got 0"):
+        replace(TOY, kv_latent_dim=0)
+    with pytest.raises(ValueError, match="Geometry.active_params must be a positive number"):
+        replace(TOY, active_params=-1e9)
+    with pytest.raises(ValueError, match=r"Geometry.active_params must be at most params = "
+                                         r"1000000000.0, got 2000000000.0"):
+        replace(TOY, active_params=2e9)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -249,6 +295,10 @@ def test_cli_help_and_table(tmp_path):
     assert done.returncode == 2 and "between 1 and k + 1 = 5" in done.stderr
     done = run_cli("--weight-bytes-per-param", "0")
     assert done.returncode == 2 and "weight_bytes_per_param must be a positive" in done.stderr
+    done = run_cli("--model", "deepseek-v3", "--context", "8192", "--batch", "1")
+    assert done.returncode == 0, done.stderr
+    assert "deepseek-v3 on h200" in done.stdout and "full KV 70,272 B/token" in done.stdout
+    assert "| max context at batch 1 | 0 | 0 | 0 | 0 |" in done.stdout  # 671 GB of weights
     profile.write_text("[20, 80]")
     done = run_cli("--profile", str(profile))
     assert done.returncode == 2 and "takes a dict, got list" in done.stderr

@@ -11,7 +11,13 @@ import torch
 
 from . import layout
 from .attention_cpu import decode_attention_cpu
-from .attention_ref import decode_attention_ref, merge_attention, tail_attention_ref
+from .attention_ref import (
+    decode_attention_ref,
+    dense_attention,
+    merge_attention,
+    soft_cap,
+    tail_attention_ref,
+)
 from .layout import PackedKV, PagedKV
 from .quant_ref import (
     SUPPORTED_BITS,
@@ -26,6 +32,7 @@ __all__ = [
     "PackedKV",
     "PagedKV",
     "decode_attention",
+    "dense_attention",
     "dequantize_keys",
     "dequantize_unpack",
     "dequantize_values",
@@ -34,6 +41,7 @@ __all__ = [
     "quantize_keys",
     "quantize_pack",
     "quantize_values",
+    "soft_cap",
     "unpack_codes",
 ]
 
@@ -97,6 +105,7 @@ def decode_attention(
     res_lengths: torch.Tensor,
     sm_scale: float,
     tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query per request over packed K/V plus fp residual: (out, lse), float32.
 
@@ -105,8 +114,15 @@ def decode_attention(
     after the residual of which query head j of request b sees the first head_lengths[b, j]
     (a round's drafts, each draft row seeing those up to its own). CUDA (Triton) and CPU (C++)
     kernels take all three parts in one call; without either, the reference's are merged.
+    `logit_cap` > 0 softcaps the logits (Gemma 2): the reference serves it on every device (the
+    Triton and C++ kernels take no cap yet).
     """
     paged = packed.as_paged() if isinstance(packed, PackedKV) else packed
+    if logit_cap > 0:
+        result = decode_attention_ref(q, paged, k_res, v_res, res_lengths, sm_scale, logit_cap)
+        if tail is None:
+            return result
+        return merge_attention([result, tail_attention_ref(q, *tail, sm_scale, logit_cap)])
     if q.device.type == "cpu":
         result = decode_attention_cpu(q, paged, k_res, v_res, res_lengths, sm_scale, tail)
         if result is not None:

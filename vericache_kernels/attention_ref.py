@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .layout import PagedKV, dequantize_keys, dequantize_values
 from .quant_ref import dequantize_unpack_ref
@@ -31,10 +32,12 @@ Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class _OnlineSoftmax:
     """Running attention state per (request, KV head, query head of its group), float32."""
 
-    def __init__(self, q: torch.Tensor, heads: int, sm_scale: float) -> None:
+    def __init__(self, q: torch.Tensor, heads: int, sm_scale: float,
+                 logit_cap: float = 0.0) -> None:
         batch, q_heads, dim = q.shape
         self.q = q.float().reshape(batch, heads, q_heads // heads, dim)
         self.sm_scale = sm_scale
+        self.logit_cap = logit_cap
         # m: running max of the logits, l: running sum of exp(logit - m), acc: of exp(...) * v
         self.m = torch.full(self.q.shape[:3], float("-inf"), dtype=torch.float32,
                             device=q.device)
@@ -44,7 +47,8 @@ class _OnlineSoftmax:
     def update(self, chunk: Chunk) -> None:
         """Fold in a chunk; each of its rows has a valid token, so the new max is finite."""
         rows, keys, values, valid = chunk
-        logits = _grouped_bmm(self.q[rows], keys.permute(0, 2, 3, 1)) * self.sm_scale
+        logits = soft_cap(_grouped_bmm(self.q[rows], keys.permute(0, 2, 3, 1)) * self.sm_scale,
+                          self.logit_cap)
         logits.masked_fill_(~valid[:, None, None, :], float("-inf"))
         if not valid.all():  # slots past a request's end may hold anything, NaN too: 0 * NaN
             values = values.masked_fill(~valid[..., None, None], 0.0)
@@ -64,6 +68,30 @@ class _OnlineSoftmax:
         out = self.acc / self.l.clamp(min=1.0)[..., None]
         lse = self.m + torch.log(self.l)  # -inf + log(0) = -inf for a request with no token
         return out.reshape(batch, q_heads, dim), lse.reshape(batch, q_heads)
+
+
+def soft_cap(logits: torch.Tensor, logit_cap: float) -> torch.Tensor:
+    """Attention logit softcapping (Gemma 2; SGLang's `RadixAttention.logit_cap`, tanh method):
+    cap * tanh(logits / cap), applied after scaling; 0 means none."""
+    return logits if logit_cap <= 0 else logit_cap * torch.tanh(logits / logit_cap)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                    sm_scale: float, logit_cap: float = 0.0) -> torch.Tensor:
+    """q [B, Hq, Tq, D] over k/v [B, H, Tk, D] (GQA: query head j reads KV head j // (Hq // H))
+    where `visible` [B or 1, 1, Tq, Tk] allows: out [B, Hq, Tq, Dv] in q's dtype. SDPA without a
+    cap; with one, the logits are capped before the mask and softmax (SDPA has no cap). Every
+    query must see at least one key."""
+    gqa = q.shape[1] != k.shape[1]
+    if logit_cap <= 0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=sm_scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * sm_scale, logit_cap)
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(probs, v)
 
 
 def _grouped_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -122,12 +150,14 @@ def decode_attention_ref(
     v_res: torch.Tensor,
     res_lengths: torch.Tensor,
     sm_scale: float,
+    logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D]; k_res/v_res [B, R, H, D] -> (out [B, Hq, D], lse [B, Hq]), both float32.
 
     A request with no tokens at all gets out = 0 and lse = -inf (it carries no weight in a merge).
+    `logit_cap` > 0 softcaps the logits (`soft_cap`).
     """
-    state = _OnlineSoftmax(q, k_res.shape[2], sm_scale)
+    state = _OnlineSoftmax(q, k_res.shape[2], sm_scale, logit_cap)
     if paged is not None:
         for chunk in _page_chunks(paged):
             state.update(chunk)
@@ -138,7 +168,7 @@ def decode_attention_ref(
 
 def tail_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_lengths: torch.Tensor,
-    sm_scale: float,
+    sm_scale: float, logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] over float K/V [B, T, H, D] where query head j of request b sees the first
     head_lengths[b, j] tokens: (out [B, Hq, D], lse [B, Hq]), float32, 0 and -inf where a head
@@ -147,7 +177,7 @@ def tail_attention_ref(
     heads = k.shape[2]
     qg = q.float().reshape(batch, heads, q_heads // heads, dim)
     logits = torch.einsum("bhgd,bthd->bhgt", qg, k.float()).reshape(batch, q_heads, -1)
-    logits = logits * sm_scale
+    logits = soft_cap(logits * sm_scale, logit_cap)
     seen = torch.arange(k.shape[1], device=q.device) < head_lengths[..., None]
     logits = logits.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(logits, -1)

@@ -6,7 +6,8 @@ bandwidths and byte counts, and the few device measurements check the model inst
 to map the whole space. Every time is a roofline: a forward takes the longer of its HBM bytes
 over HBM bandwidth and its FLOPs over dense bf16 FLOP/s; a copy takes its bytes over the link.
 Kernel efficiency, launch overheads, scheduler time and activations are ignored, so predictions
-are upper bounds on speed (docs/perfmodel.md lists the assumptions and presets).
+are upper bounds on speed, except a mixture of experts' forwards of a few tokens (`Geometry`);
+docs/perfmodel.md lists the assumptions and presets.
 
 Pure Python on purpose (no torch, no sglang): it runs on a bare GPU machine and in the docs.
 
@@ -35,7 +36,18 @@ def _positive(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class Geometry:
-    """What a model costs per token: weights read once per forward, KV per context token."""
+    """What a model costs per token: weights read once per forward, KV per context token.
+
+    A mixture of experts holds `params` but runs `active_params` per token (None: dense, all of
+    them). A forward of t tokens is taken to read min(params, t * active_params) weights: each
+    token its own active weights, capped at the whole model. That is exact at t = 1 and for
+    many tokens, and an upper bound in between (shared weights and common experts count once
+    per token), so MoE predictions for forwards of a few tokens, such as a verify of k + 1,
+    lean slow where the rest of the model leans fast.
+
+    Multi-head latent attention (DeepSeek) caches one `kv_latent_dim` vector per layer and token
+    (compressed KV plus the shared RoPE key), read by every query head; when it is set,
+    `kv_heads` and `head_dim` describe the up-projected heads and enter no cost."""
 
     name: str
     layers: int
@@ -44,30 +56,58 @@ class Geometry:
     head_dim: int
     params: float
     weight_bytes_per_param: float = 2.0  # bf16; 1.0 for fp8 weights
+    active_params: float | None = None
+    kv_latent_dim: int | None = None
 
     def __post_init__(self) -> None:
         _positive("Geometry", layers=self.layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
                   head_dim=self.head_dim, params=self.params,
                   weight_bytes_per_param=self.weight_bytes_per_param)
+        if self.kv_latent_dim is not None:
+            _positive("Geometry", kv_latent_dim=self.kv_latent_dim)
+        if self.active_params is not None:
+            _positive("Geometry", active_params=self.active_params)
+            if self.active_params > self.params:
+                raise ValueError(f"Geometry.active_params must be at most params = "
+                                 f"{self.params!r}, got {self.active_params!r}")
 
     @property
     def weight_bytes(self) -> float:
+        """Every parameter, experts included: what the weights take in HBM."""
         return self.params * self.weight_bytes_per_param
 
+    def weight_bytes_read(self, tokens: float) -> float:
+        """Weights a forward of `tokens` query tokens (over the batch) reads from HBM."""
+        return min(self.params, tokens * (self.active_params or self.params)) \
+            * self.weight_bytes_per_param
+
     def full_kv_bytes_per_token(self, dtype_bytes: float = 2.0) -> float:
-        """K and V of every layer: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+        """K and V of every layer: 2 * layers * kv_heads * head_dim * dtype_bytes; with MLA the
+        latent alone, layers * kv_latent_dim * dtype_bytes."""
+        if self.kv_latent_dim is not None:
+            return self.layers * self.kv_latent_dim * dtype_bytes
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def flops_per_token(self, context: float) -> float:
-        """2 FLOPs per weight, plus attention over `context` keys: QK^T and PV, 2 FLOPs per
-        multiply-add each, for every query head of every layer."""
-        return 2 * self.params + 4 * self.layers * self.q_heads * self.head_dim * context
+        """2 FLOPs per active weight, plus attention over `context` keys: QK^T and PV, 2 FLOPs
+        per multiply-add each, for every query head of every layer. MLA attends in absorbed
+        form, both products over the latent (PV really over its kv_lora_rank part only, 512
+        of DeepSeek-V3's 576: its attention FLOPs are counted 6% high)."""
+        width = self.head_dim if self.kv_latent_dim is None else self.kv_latent_dim
+        return 2 * (self.active_params or self.params) \
+            + 4 * self.layers * self.q_heads * width * context
 
 
 GEOMETRIES = {g.name: g for g in (
     Geometry("llama-3-8b", layers=32, q_heads=32, kv_heads=8, head_dim=128, params=8.03e9),
     Geometry("llama-3-70b", layers=80, q_heads=64, kv_heads=8, head_dim=128, params=70.6e9),
     Geometry("smollm2-135m", layers=30, q_heads=9, kv_heads=3, head_dim=64, params=134.5e6),
+    Geometry("qwen3-32b", layers=64, q_heads=64, kv_heads=8, head_dim=128, params=32.8e9),
+    Geometry("mixtral-8x7b", layers=32, q_heads=32, kv_heads=8, head_dim=128, params=46.7e9,
+             active_params=12.9e9),
+    # MLA: kv_lora_rank 512 + qk_rope_head_dim 64; released with fp8 weights
+    Geometry("deepseek-v3", layers=61, q_heads=128, kv_heads=128, head_dim=128, params=671e9,
+             weight_bytes_per_param=1.0, active_params=37e9, kv_latent_dim=512 + 64),
 )}
 
 
@@ -138,7 +178,7 @@ class Workload:
     batch: int = 1
     k: int = 8
     tokens_per_round: float = 4.0
-    full_bytes_per_token: float | None = None  # None: the geometry's K/V at bf16
+    full_bytes_per_token: float | None = None  # None: the geometry's KV at bf16
     n: int = 256
     full_tier: str = "host"
     staging_units: float = 4.0
@@ -185,10 +225,11 @@ def _full(g: Geometry, w: Workload) -> float:
 def forward_seconds(g: Geometry, hw: Hardware, tokens: float, context: float,
                     kv_bytes: float, packed_bytes: float = 0.0) -> float:
     """One forward of `tokens` query tokens (over the batch) attending to `context` keys each:
-    the longer of its reads (the weights and `kv_bytes` from HBM, `packed_bytes` of compressed
-    KV at `hw.packed_read_gbps`) and its FLOPs."""
+    the longer of its reads (the weights its tokens use and `kv_bytes` from HBM, `packed_bytes`
+    of compressed KV at `hw.packed_read_gbps`) and its FLOPs."""
     packed_gbps = hw.packed_read_gbps or hw.hbm_gbps
-    return max((g.weight_bytes + kv_bytes) / (hw.hbm_gbps * GB) + packed_bytes / (packed_gbps * GB),
+    return max((g.weight_bytes_read(tokens) + kv_bytes) / (hw.hbm_gbps * GB)
+               + packed_bytes / (packed_gbps * GB),
                tokens * g.flops_per_token(context) / (hw.dense_tflops * 1e12))
 
 

@@ -25,7 +25,7 @@ from vericache_sglang.config import (
     option_names,
 )
 from vericache_sglang.cpu import hicache as cpu_hicache
-from vericache_sglang.cpu import lazy_kv
+from vericache_sglang.cpu import lazy_kv, softcap
 from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.hooks import hook
 from vericache_sglang.speculative import configure as configure_spec
@@ -151,6 +151,7 @@ def _register() -> None:
     if _cpu_engine():
         cpu_hicache.register()
         lazy_kv.register()
+        softcap.register()
     register_spec()
     stores.register()
     meta_info.register()

@@ -14,8 +14,10 @@ for the round (the only buffer that lives across steps: bounded by batch x draft
 counted in `round_buffer_bytes`). Over the pool, one `vericache_kernels.decode_attention` call
 reads all three parts (pages, exact window, tail up to each row's own step); over a request's
 own block, the block and the tail are attended apart and combined by their log-sum-exp
-(`vericache_kernels.merge_attention`). Nothing is written to the KV pool while drafting, so a
-rejected draft leaves no trace.
+(`vericache_kernels.merge_attention`). A sliding-window layer reads its window exactly instead
+(`_window_attention`), and a softcapped layer caps its logits, as SGLang's backends do, so
+drafts follow the model they are verified against. Nothing is written to the KV pool while
+drafting, so a rejected draft leaves no trace.
 
 Extend (prefill) is SGLang's `torch_native` forward over the full KV; for compressors that select
 tokens by attention it also records the prompt's observation scores. The backend is lossy by
@@ -33,6 +35,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 import vericache_kernels as kernels
+from vericache_sglang.attention.features import logit_cap, sliding_window, window_visible
 from vericache_sglang.compress.attention_probs import causal_attention_probs
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.compressed import CompressedTier
@@ -131,6 +134,10 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         # context; checked against the pool before reuse, so a slot reused by another
         # request or a freed page only costs a fresh lookup).
         self._known_pages: dict[int, torch.Tensor] = {}
+        # Sliding-window layers: the round's request slots, and each window size's
+        # (key rows, visibility) for the current rows.
+        self._slots: list[int] = []
+        self._window_masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
@@ -165,6 +172,7 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         compressed, the first time any request needs them)."""
         self.end_round()
         self._committed = list(committed_lens)
+        self._slots = list(req_slots)
         self._max_steps = max_steps
         if max_steps > 0:
             self.set_step(0)
@@ -191,6 +199,7 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         self._row_steps = torch.tensor(steps, dtype=torch.int64,
                                        device=self.req_to_token_pool.req_to_token.device)
         self._last_step = max(steps)
+        self._window_masks.clear()
 
     def end_round(self) -> None:
         """Drop the round's buffers: the drafts' K/V and the pool read plan."""
@@ -199,13 +208,15 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         self._page_table = self._paged_lens = self._exact_rows = self._exact_lens = None
         self._row_requests = self._row_steps = self._row_groups = self._tail_heads = None
         self._window = []
+        self._window_masks.clear()
 
     def round_buffer_bytes(self) -> int:
         """Bytes of the buffers that live for the current round (storages, measured)."""
         return storage_bytes([*self._tail_k.values(), *self._tail_v.values(), self._page_table,
                               self._row_requests, self._row_steps, self._tail_heads,
                               self._paged_lens, self._exact_rows, self._exact_lens,
-                              *(t for pair in self._window for t in pair)])
+                              *(t for pair in self._window for t in pair),
+                              *(t for pair in self._window_masks.values() for t in pair)])
 
     def _plan_pool_reads(self, req_slots: list[int]) -> None:
         req_to_token = self.req_to_token_pool.req_to_token
@@ -263,17 +274,61 @@ class DraftAttnBackend(TorchNativeAttnBackend):
             raise RuntimeError("draft forward batch does not match set_step()/set_rows()")
         self._write_tail(layer, k.reshape(-1, heads, head_dim),
                          v.reshape(-1, heads, layer.v_head_dim))
-        if self.pool is not None:
+        window = sliding_window(layer)
+        if window is not None:
+            out = self._window_attention(q, layer, window)
+        elif self.pool is not None:
             out = self._pool_attention(q, layer)
         else:
             hi = self._last_step + 1
             tail_k, tail_v = (self._rows_of(tail[layer.layer_id][:, :hi])
                               for tail in (self._tail_k, self._tail_v))
             steps = (self._row_steps + 1).to(torch.int32)
-            tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling)
+            tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling,
+                                            logit_cap=logit_cap(layer))
             prefix = self._tier_attention(q, layer, forward_batch.req_pool_indices.tolist())
             out, _ = kernels.merge_attention([prefix, tail])
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _window_plan(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a sliding-window layer: each request's key rows [B, window] of the full pool (its
+        last `window` committed tokens, the first row where it has fewer), and which of them
+        and of the round's tail each row sees [R, 1, 1, window + steps]. Once per forward and
+        window size."""
+        if window not in self._window_masks:
+            device = self.req_to_token_pool.req_to_token.device
+            committed = torch.tensor(self._committed, dtype=torch.int64, device=device)
+            positions = committed[:, None] - window + torch.arange(window, device=device)
+            slots = torch.tensor(self._slots, dtype=torch.int64, device=device)
+            rows = self.req_to_token_pool.req_to_token[slots[:, None], positions.clamp(min=0)]
+            tail = committed[:, None] + torch.arange(self._max_steps, device=device)
+            key_pos = self._rows_of(torch.cat([positions, tail], dim=1))
+            query_pos = self._rows_of(committed) + self._row_steps
+            visible = (window_visible(query_pos[:, None], key_pos, window)
+                       & (key_pos >= 0))[:, None, None]
+            self._window_masks[window] = (rows.to(torch.int64), visible)
+        return self._window_masks[window]
+
+    def _window_attention(self, q: torch.Tensor, layer, window: int) -> torch.Tensor:
+        """A sliding-window layer reads its window exactly: the committed tokens within it
+        from the full pool, and the round's tail, as SGLang's backends do. The window is
+        short, so the compressed pages would save little here."""
+        rows, visible = self._window_plan(window)
+        lid = layer.layer_id
+        flat = rows.flatten()
+        committed_k, committed_v = (
+            buffer.index_select(0, flat).view(*rows.shape, *buffer.shape[1:])
+            for buffer in (self.token_to_kv_pool.get_key_buffer(lid),
+                           self.token_to_kv_pool.get_value_buffer(lid)))
+        # Tail steps not drafted yet hold anything, NaN too: zero what a row does not see.
+        seen = visible[:, 0, 0, :, None, None]
+        keys, values = (
+            self._rows_of(torch.cat([committed.to(q.dtype), tail[lid]], dim=1)).where(seen, 0.0)
+            for committed, tail in ((committed_k, self._tail_k), (committed_v, self._tail_v)))
+        out = kernels.dense_attention(q[:, :, None], keys.transpose(1, 2),
+                                      values.transpose(1, 2), visible, layer.scaling,
+                                      logit_cap(layer))
+        return out[:, :, 0]
 
     def _tail_head_lengths(self, q_heads: int, kv_heads: int) -> torch.Tensor:
         """[requests, query heads] of the pool attention's query: the round's tokens each head
@@ -310,7 +365,8 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         tail = (pick(self._tail_k[lid]), pick(self._tail_v[lid]),
                 self._tail_head_lengths(q.shape[1], kv_heads))
         out, lse = kernels.decode_attention(query, paged, k_exact, v_exact,
-                                            pick(self._exact_lens), layer.scaling, tail)
+                                            pick(self._exact_lens), layer.scaling, tail,
+                                            logit_cap(layer))
         return out if groups is None else groups.unstack(out, lse, kv_heads)[0]
 
     def _tier_attention(self, q: torch.Tensor, layer,
@@ -327,7 +383,7 @@ class DraftAttnBackend(TorchNativeAttnBackend):
                 layer.layer_id, slot, req_to_token[slot, : self._committed[request]], k_buffer,
                 v_buffer, query=q[i], sm_scale=layer.scaling,
             )
-            out, lse = block.attend_lse(q[i], layer.scaling)
+            out, lse = block.attend_lse(q[i], layer.scaling, logit_cap(layer))
             outs.append(out)
             lses.append(lse)
         return torch.stack(outs), torch.stack(lses)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from vericache_sglang.attention.features import logit_cap, sliding_window
 from vericache_sglang.attention.verify import VerifyAttnBackend, VerifyPlan
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.staging import Fetch, StagingArea, Unit
@@ -240,7 +241,8 @@ def _gqa(layer) -> bool:
 
 
 def _check_layer(layer) -> None:
-    if layer.is_cross_attention or (layer.sliding_window_size is not None
-                                    and layer.sliding_window_size > -1):
+    """The startup check (`features.refusal`) keeps these layers off the host tier."""
+    if layer.is_cross_attention or sliding_window(layer) is not None or logit_cap(layer) > 0:
         raise NotImplementedError("VeriCache's host full tier serves causal full attention "
-                                  "only (no sliding-window or cross-attention layers)")
+                                  "only (no sliding-window, softcapped or cross-attention "
+                                  "layers)")

@@ -1,19 +1,22 @@
 """Verification attention: SGLang's torch_native backend plus a causal TARGET_VERIFY forward.
 
 The root token and the k drafts of each request extend its committed prefix over the full KV,
-causally (a draft chain needs no tree mask), writing their K/V into the pool slots reserved
+causally (a draft chain needs no tree mask) and within each layer's sliding window, with its
+logit softcap, writing their K/V into the pool slots reserved
 beyond the committed length. Only those k + 1 queries are computed, so a round reads the
 committed KV once, and every request of the batch in one attention call per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+import vericache_kernels as kernels
+from vericache_sglang.attention.features import logit_cap, sliding_window, window_visible
 
 
 @dataclass(frozen=True)
@@ -23,9 +26,12 @@ class VerifyPlan:
     rows: torch.Tensor
     """[B, T] full-pool rows of each request's prefix and chain, padded to the longest
     (T = longest prefix + width) with the request's first row, which is always written."""
-    visible: torch.Tensor
-    """[B, 1, width, T]: chain query j of request b sees keys 0..prefix_b + j."""
+    columns: torch.Tensor
+    """[T] the key positions."""
+    last: torch.Tensor
+    """[B, width]: the position of chain query j of request b (prefix_b + j)."""
     width: int
+    _visible: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def of(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -37,15 +43,23 @@ class VerifyPlan:
         rows = req_to_token[req_pool_indices, :total].to(torch.int64)
         columns = torch.arange(total, device=device)
         last = prefix_lens.to(device)[:, None] + torch.arange(width, device=device)  # [B, width]
-        visible = columns[None, None, :] <= last[:, :, None]
         # Past its own chain a request's row holds stale or unset slots: read its first row
         # there instead (finite, and masked out like any other padding).
         rows = torch.where(columns[None, :] < (last[:, -1:] + 1), rows, rows[:, :1])
-        return cls(rows, visible[:, None], width)
+        return cls(rows, columns, last, width)
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """[B, 1, width, T]: which keys chain query j of request b sees, causally and within
+        the layer's sliding window (one mask per window size, shared by its layers)."""
+        if window not in self._visible:
+            self._visible[window] = window_visible(
+                self.last[:, :, None], self.columns[None, None, :], window)[:, None]
+        return self._visible[window]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                layer) -> torch.Tensor:
-        """q [B * width, Hq, D] -> o [B * width, Hq, Dv]: one masked SDPA over the batch."""
+        """q [B * width, Hq, D] -> o [B * width, Hq, Dv]: one masked attention over the batch,
+        with the layer's window and softcap."""
         batch, total = self.rows.shape
         flat = self.rows.flatten()
         # index_select copies whole rows; advanced indexing goes element by element
@@ -54,10 +68,9 @@ class VerifyPlan:
         query = q.view(batch, self.width, *q.shape[1:]).transpose(1, 2)  # [B, Hq, width, D]
         if keys.dtype != query.dtype:
             keys, values = keys.to(query.dtype), values.to(query.dtype)
-        o = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.visible,
-            scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
-        )
+        o = kernels.dense_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
+                                    self.visible(sliding_window(layer)), layer.scaling,
+                                    logit_cap(layer))
         return o.transpose(1, 2).reshape(batch * self.width, layer.tp_q_head_num, -1)
 
 

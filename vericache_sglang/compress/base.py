@@ -80,12 +80,12 @@ class CompressedKV(ABC):
 
     @abstractmethod
     def attend_lse(
-        self, q: torch.Tensor, sm_scale: float | None = None
+        self, q: torch.Tensor, sm_scale: float | None = None, logit_cap: float = 0.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of one query token q [Hq, D] over this block, reading the compressed
         form directly (no dense copy is kept): (out [Hq, D], lse [Hq]) float32, the log-sum-exp
         letting attention over other keys be merged in (`vericache_kernels.merge_attention`).
-        sm_scale defaults to D**-0.5."""
+        sm_scale defaults to D**-0.5; `logit_cap` > 0 softcaps the logits (Gemma 2)."""
 
     def attend(self, q: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
         """`attend_lse` without the log-sum-exp."""

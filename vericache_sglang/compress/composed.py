@@ -50,9 +50,9 @@ class ComposedKV(CompressedKV):
     def positions(self) -> torch.Tensor:
         return self.slot_positions.long()
 
-    def attend_lse(self, q: torch.Tensor,
-                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.attend_lse(q, sm_scale)
+    def attend_lse(self, q: torch.Tensor, sm_scale: float | None = None,
+                   logit_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.attend_lse(q, sm_scale, logit_cap)
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,13 @@ class DroppedKV(CompressedKV):
     def positions(self) -> torch.Tensor:
         return self.slot_positions.long()
 
-    def attend_lse(self, q: torch.Tensor,
-                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_lse(self, q: torch.Tensor, sm_scale: float | None = None,
+                   logit_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([len(self)], device=q.device)
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         out, lse = kernels.decode_attention(
-            q[None], None, self.keys[None], self.values[None], lengths, scale
-        )
+            q[None], None, self.keys[None], self.values[None], lengths, scale,
+            logit_cap=logit_cap)
         return out[0], lse[0]
 
     def select(self, keep: torch.Tensor) -> None:

@@ -126,13 +126,14 @@ class QuantizedKV(CompressedKV):
         new_k, new_v = self.recent.dequantize(self.dtype)
         return torch.cat([old_k, new_k, self.k_res]), torch.cat([old_v, new_v, self.v_res])
 
-    def attend_lse(self, q: torch.Tensor,
-                   sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_lse(self, q: torch.Tensor, sm_scale: float | None = None,
+                   logit_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.head_dim**-0.5 if sm_scale is None else sm_scale
         res_len = torch.tensor([self.k_res.shape[0]], device=q.device)
         empty = self.k_res[:0][None]
         parts = [
-            kernels.decode_attention(q[None], tier.packed(self.plan.group), *kv, lengths, scale)
+            kernels.decode_attention(q[None], tier.packed(self.plan.group), *kv, lengths, scale,
+                                     logit_cap=logit_cap)
             for tier, kv, lengths in (
                 (self.old, (empty, empty), torch.zeros_like(res_len)),
                 (self.recent, (self.k_res[None], self.v_res[None]), res_len),

@@ -49,6 +49,8 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+from vericache_sglang import startup
+from vericache_sglang.attention import features as attention_features
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.config import get_config
 from vericache_sglang.cpu.few_rows import faster_row_counts
@@ -154,6 +156,11 @@ class VeriCacheWorker(BaseSpecWorker):
 
     # -- SGLang worker interface ---------------------------------------------------------------
     def init_attention_backends(self) -> None:
+        refused = attention_features.refusal(self.model_runner, self.placement)
+        if refused is not None:
+            raise startup.scheduler_error(refused)
+        logger.info("VeriCache attention: %s",
+                    attention_features.describe(self.model_runner.model).summary())
         self.backends = RoundBackends(self.model_runner, self.server_args, self.compressor,
                                       self.placement)
         logger.info("VeriCache memory: %s", self.memory_report())
