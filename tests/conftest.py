@@ -73,7 +73,8 @@ def vericache_server_args(settings: dict | None = None, **given) -> SimpleNamesp
         "speculative_num_steps": None, "speculative_eagle_topk": None,
         "enable_mixed_chunk": False, "kv_cache_dtype": "auto", "grammar_backend": "xgrammar",
         "disable_overlap_schedule": False, "context_length": None, "decode_log_interval": 40,
-        "sampling_backend": None, "model_path": "unused", "tokenizer_path": None, **given})
+        "sampling_backend": None, "model_path": "unused", "tokenizer_path": None,
+        "tp_size": 1, "pp_size": 1, **given})
     attach_config(args, VeriCacheConfig.build({"enable_vericache": True, **(settings or {})}))
     return args
 

@@ -160,6 +160,8 @@ def test_a_broken_draft_vocabulary_is_refused(demo_models, tmp_path, text):
     ({"grammar_backend": "outlines"}, "--grammar-backend outlines cannot be combined"),
     ({"context_length": 64}, "leaves no room in --context-length 64"),
     ({"speculative_algorithm": "EAGLE"}, "--enable-vericache replaces speculative decoding"),
+    ({"tp_size": 2}, "--tp-size 2 with --enable-vericache is not supported yet"),
+    ({"pp_size": 2}, "--pp-size 2 with --enable-vericache is not supported yet"),
 ])
 def test_sglang_settings_vericache_cannot_honour_are_refused(given, message):
     """What SGLang's own flags ask for and VeriCache would have to override: one line, at

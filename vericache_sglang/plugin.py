@@ -25,7 +25,7 @@ from vericache_sglang.config import (
     option_names,
 )
 from vericache_sglang.cpu import hicache as cpu_hicache
-from vericache_sglang.cpu import lazy_kv, softcap
+from vericache_sglang.cpu import lazy_kv, moe_gate, softcap
 from vericache_sglang.cpu.finder import install as install_cpu_support
 from vericache_sglang.hooks import hook
 from vericache_sglang.speculative import configure as configure_spec
@@ -152,6 +152,7 @@ def _register() -> None:
         cpu_hicache.register()
         lazy_kv.register()
         softcap.register()
+        moe_gate.register()
     register_spec()
     stores.register()
     meta_info.register()

@@ -16,13 +16,18 @@ MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
 
 def attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Plain softmax attention of q [Hq, D] over keys/values [n, H, D] (GQA), float32."""
+    """Plain softmax attention of q [Hq, D] over keys/values [n, H, D] (GQA), float32; with a
+    cap, logits are cap * tanh(logits / cap) (Gemma 2's softcapping)."""
     group = q.shape[0] // keys.shape[1]
     k = keys.float().repeat_interleave(group, 1)
     v = values.float().repeat_interleave(group, 1)
-    probs = (torch.einsum("hd,nhd->hn", q.float(), k) * scaling).softmax(-1)
+    logits = torch.einsum("hd,nhd->hn", q.float(), k) * scaling
+    if logit_cap > 0:
+        logits = logit_cap * torch.tanh(logits / logit_cap)
+    probs = logits.softmax(-1)
     return torch.einsum("hn,nhd->hd", probs, v)
 
 

@@ -106,15 +106,19 @@ def paged_case(bits: int) -> Case:
                 values)
 
 
-def expected(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def expected(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+             logit_cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float32 softmax attention per request and the log-sum-exp of its logits; a
     request with no tokens: 0 and -inf."""
     outs, lses = [], []
     for q_b, k, v in zip(q, keys, values, strict=True):
         logits = torch.einsum("hd,nhd->hn", q_b, k.repeat_interleave(Q_HEADS // HEADS, 1))
-        lses.append(torch.logsumexp(logits * SCALE, -1))
-        outs.append(attention(q_b, k, v, SCALE) if len(k) else torch.zeros(Q_HEADS, DIM))
+        logits = logits * SCALE
+        if logit_cap > 0:
+            logits = logit_cap * torch.tanh(logits / logit_cap)
+        lses.append(torch.logsumexp(logits, -1))
+        outs.append(attention(q_b, k, v, SCALE, logit_cap) if len(k)
+                    else torch.zeros(Q_HEADS, DIM))
     return torch.stack(outs), torch.stack(lses)
 
 
@@ -149,6 +153,23 @@ def test_merge_of_paged_part_and_exact_tail_equals_union(attend, bits: int) -> N
     tail_part = attend(case.q, None, case.k_res, case.v_res, case.res_lengths, SCALE)
     assert_close(kernels.merge_attention([paged_part, tail_part]),
                  expected(case.q, case.keys, case.values))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_a_capped_layer_reads_pages_residual_and_tail_with_its_cap(bits: int) -> None:
+    """Softcapped logits (Gemma 2) over pages, residual and a draft tail, through the
+    dispatcher: capped attention over their union, which differs from uncapped."""
+    case = paged_case(bits)
+    cap = 4.0
+    gen = torch.Generator().manual_seed(7)
+    tail_k, tail_v = (torch.randn(len(PAGES), 3, HEADS, DIM, generator=gen) for _ in range(2))
+    seen = torch.full((len(PAGES), Q_HEADS), 2, dtype=torch.int32)
+    got = kernels.decode_attention(case.q, case.paged, case.k_res, case.v_res,
+                                   case.res_lengths, SCALE, (tail_k, tail_v, seen), cap)
+    keys = [torch.cat([k, tail_k[b, :2]]) for b, k in enumerate(case.keys)]
+    values = [torch.cat([v, tail_v[b, :2]]) for b, v in enumerate(case.values)]
+    assert_close(got, expected(case.q, keys, values, cap))
+    assert not torch.allclose(got[0], expected(case.q, keys, values)[0], atol=1e-3)
 
 
 def packed_batch(keys: torch.Tensor, values: torch.Tensor, lengths: list[int], bits: int,

@@ -33,7 +33,8 @@ SCALE = DIM**-0.5
 class Pools:
     """One request whose committed prefix sits at scattered rows of real SGLang pools."""
 
-    def __init__(self, spec: str = "kivi:bits=2,group=32,residual=32") -> None:
+    def __init__(self, spec: str = "kivi:bits=2,group=32,residual=32",
+                 **layer_features) -> None:
         gen = torch.Generator().manual_seed(0)
         self.pool = MHATokenToKVPool(size=POOL, page_size=1, dtype=torch.float32,
                                      head_num=KV_HEADS, head_dim=DIM, layer_num=1, device="cpu",
@@ -47,7 +48,7 @@ class Pools:
         self.queries = torch.randn(len(self.rows), Q_HEADS, DIM, generator=gen)
         self.pool.k_buffer[0][self.rows[:PREFIX]] = self.keys[:PREFIX]
         self.pool.v_buffer[0][self.rows[:PREFIX]] = self.values[:PREFIX]
-        self.layer = RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=0)
+        self.layer = RadixAttention(Q_HEADS, DIM, SCALE, KV_HEADS, layer_id=0, **layer_features)
         self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
                                       token_to_kv_pool=self.pool)
         self.tier = CompressedTier(parse_compressor_spec(spec))
@@ -198,3 +199,91 @@ def test_verify_batch_computes_only_the_verified_queries(monkeypatch):
                                  SCALE)
             torch.testing.assert_close(out[b, j], expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(pool.k_buffer[0][rows[b][n:]], keys[b][n:])
+
+
+WINDOW, CAP = 40, 5.0
+"""A sliding window shorter than a round's reach back, and a cap that bends the logits of
+these random queries (|q.k| * scale is several units)."""
+
+
+def _windowed(t: int) -> slice:
+    """The keys a query at position t sees under SGLang's window: t - WINDOW .. t."""
+    return slice(max(t - WINDOW, 0), t + 1)
+
+
+@pytest.mark.parametrize("features", [{"sliding_window_size": WINDOW},
+                                      {"sliding_window_size": WINDOW, "logit_cap": CAP}])
+def test_a_windowed_layer_drafts_over_its_exact_window(features):
+    """A sliding-window layer's draft reads exactly the keys SGLang's backends give it (the
+    committed ones within its window from the full pool, the round's own), capped where the
+    layer caps: exact attention, where a full layer's draft reads the lossy tier. One-token
+    steps and a several-rows forward agree."""
+    p = Pools(**features)
+    cap = features.get("logit_cap", 0.0)
+    steps = 4
+    backend = DraftAttnBackend(p.runner, p.tier)
+    backend.begin_round([SLOT], [PREFIX], steps)
+    outs = []
+    for step in range(2):
+        t = PREFIX + step
+        backend.set_step(step)
+        fb = p.batch(ForwardMode.DECODE, t + 1, p.rows[t : t + 1])
+        outs.append(backend.forward_decode(p.queries[t].reshape(1, -1), p.keys[t : t + 1],
+                                           p.values[t : t + 1], p.layer, fb))
+    backend.set_rows([0, 0], [2, 3])
+    span = slice(PREFIX + 2, PREFIX + steps)
+    rows = p.batch(ForwardMode.DECODE, PREFIX + steps, p.rows[span])
+    rows.req_pool_indices = torch.tensor([SLOT] * 2)
+    outs.append(backend.forward_decode(p.queries[span].reshape(2, -1), p.keys[span],
+                                       p.values[span], p.layer, rows))
+    got = torch.cat(outs).view(steps, Q_HEADS, DIM)
+    for step in range(steps):
+        t = PREFIX + step
+        expected = attention(p.queries[t], p.keys[_windowed(t)], p.values[_windowed(t)], SCALE,
+                             cap)
+        torch.testing.assert_close(got[step], expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got[0], attention(p.queries[PREFIX], p.keys[: PREFIX + 1],
+                                                p.values[: PREFIX + 1], SCALE, cap), atol=1e-3)
+
+
+def test_a_capped_layer_drafts_with_its_cap():
+    """Over the compressed tier (lossy), a capped layer's logits are capped: the draft equals
+    capped attention over the tier's keys, not uncapped attention."""
+    p = Pools(logit_cap=CAP)
+    backend = DraftAttnBackend(p.runner, p.tier)
+    backend.begin_round([SLOT], [PREFIX], 1)
+    backend.set_step(0)
+    t = PREFIX
+    out = backend.forward_decode(p.queries[t].reshape(1, -1), p.keys[t : t + 1],
+                                 p.values[t : t + 1], p.layer,
+                                 p.batch(ForwardMode.DECODE, t + 1, p.rows[t : t + 1]))
+    prefix_k, prefix_v = p.tier._entries[(0, SLOT)].block.dense()
+    keys = torch.cat([prefix_k, p.keys[t : t + 1]])
+    values = torch.cat([prefix_v, p.values[t : t + 1]])
+    capped = attention(p.queries[t], keys, values, SCALE, CAP)
+    torch.testing.assert_close(out.view(Q_HEADS, DIM), capped, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(out.view(Q_HEADS, DIM), attention(p.queries[t], keys, values, SCALE),
+                              atol=1e-3)
+
+
+@pytest.mark.parametrize("features", [{"sliding_window_size": WINDOW}, {"logit_cap": CAP},
+                                      {"sliding_window_size": WINDOW, "logit_cap": CAP}])
+def test_verify_applies_the_layers_window_and_cap(features):
+    p = Pools(**features)
+    backend = VerifyAttnBackend(p.runner)
+    width = 5
+    locs = p.rows[PREFIX : PREFIX + width]
+    positions = torch.arange(PREFIX, PREFIX + width)
+    fb = p.batch(ForwardMode.TARGET_VERIFY, PREFIX, locs,
+                 spec_info=VeriCacheVerifyInput(draft_token_num=width, positions=positions))
+    backend.init_forward_metadata(fb)
+    span = slice(PREFIX, PREFIX + width)
+    out = backend.forward_extend(p.queries[span].reshape(width, -1), p.keys[span],
+                                 p.values[span], p.layer, fb)
+    windowed = "sliding_window_size" in features
+    for i in range(width):
+        t = PREFIX + i
+        seen = _windowed(t) if windowed else slice(0, t + 1)
+        expected = attention(p.queries[t], p.keys[seen], p.values[seen], SCALE,
+                             features.get("logit_cap", 0.0))
+        torch.testing.assert_close(out[i].view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)

@@ -86,6 +86,8 @@ def _layer_refusal(layer: Any) -> str | None:
                 f"{layer.v_head_dim})")
     if layer.use_irope:
         return "chunked local attention (iRoPE, Llama 4)"
+    if layer.pos_encoding_mode != "NONE":
+        return f"position encoding inside attention ({layer.pos_encoding_mode})"
     if getattr(layer, "xai_temperature_len", -1) > 0:
         return "position-dependent attention temperature (Grok)"
     if logit_cap(layer) > 0 and layer.logit_capping_method != "tanh":

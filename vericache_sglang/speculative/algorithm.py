@@ -185,6 +185,12 @@ def _refuse_what_vericache_sets(server_args: Any) -> None:
             f"--kv-cache-dtype {server_args.kv_cache_dtype} with --enable-vericache is not "
             "supported yet: the full KV verification reads is the model's own precision "
             "(use --kv-cache-dtype auto; the compressed tier is VeriCache's quantized form)")
+    for flag, size in (("--tp-size", server_args.tp_size), ("--pp-size", server_args.pp_size)):
+        if size > 1:
+            raise startup.error(
+                f"{flag} {size} with --enable-vericache is not supported yet: the compressed "
+                "pool, the drafting rounds and the stores run on one device (serve with "
+                f"{flag} 1)")
     if server_args.grammar_backend in GRAMMAR_BACKENDS_WITHOUT_ROLLBACK:
         raise startup.error(
             f"--grammar-backend {server_args.grammar_backend} cannot be combined with "

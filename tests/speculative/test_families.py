@@ -1,0 +1,128 @@
+"""Every model family SGLang users serve: VeriCache's tokens equal plain SGLang's, or the
+server refuses at startup with one line.
+
+Each family is a tiny seeded random-weight model (`tests/families.py`) carrying its attention
+features (sliding windows of 128 tokens, Gemma 2's softcapping, experts). Plain SGLang and
+VeriCache (every default) serve it side by side in float32; three greedy requests of 640-token
+real prompts (crossing the windows and many KIVI groups) run together for 48 tokens, and the
+outputs must be equal token for token. Where plain SGLang needs the CPU support's fixes to run
+a family as the model defines it (softcapping in torch_native, Qwen2-MoE's shared-expert
+gate), plain SGLang's tokens are also checked against HF transformers' greedy decoding, so the
+reference is the model itself.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.families import FAMILIES, build
+from tests.speculative.identity import send_all, stats
+from vericache_sglang.prompts import stdlib_ids
+from vericache_sglang.server_process import ServerProcess, ServerStartError
+
+ARGS = ["--dtype", "float32", "--random-seed", "0", "--disable-overlap-schedule",
+        "--max-running-requests", "4"]
+NEW_TOKENS = 48
+SOURCES = (("textwrap", 0), ("argparse", 3000), ("difflib", 1000))
+PROMPT_TOKENS = 640
+
+FEATURE_WORDS = {"sliding window": "with a sliding window", "softcapping": "with logit softcapping"}
+"""A family's attention features -> the words VeriCache's startup line uses for them."""
+SERVED = [name for name in FAMILIES if name != "deepseek-v2"]
+CHECKED_AGAINST_HF = {"gemma2", "gemma3", "qwen2-moe"}
+"""Families whose plain-SGLang reference rests on the CPU support (softcapping, the MoE gate)
+or on sliding windows: their plain tokens are checked against HF transformers too."""
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_model: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model)
+    return [stdlib_ids(tokenizer, module, PROMPT_TOKENS, start=start)
+            for module, start in SOURCES]
+
+
+def _payload(ids: list[int]) -> dict:
+    return {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+
+
+def _hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # Eager attention: transformers' SDPA path drops Gemma 2's softcapping.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+                for ids in prompts]
+
+
+def _full_kv_bytes_per_token(path: Path) -> int:
+    """From the saved config: K and V of every layer, float32."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    return 2 * layers * config["num_key_value_heads"] * config.get("head_dim", 64) * 4
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts):
+    path = build(name, demo_model)
+    plain = ServerProcess(path, ARGS, max_total_tokens=8192)
+    vericache = ServerProcess(path, [*ARGS, "--enable-vericache"], max_total_tokens=8192)
+    payloads = [_payload(ids) for ids in prompts]
+    # Started and stopped side by side (mostly imports and teardown), asked one after the
+    # other (each server's forwards use both cores).
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            list(pool.map(ServerProcess.start, (plain, vericache)))
+            want = send_all(plain, payloads)
+            got = send_all(vericache, payloads)
+            memory = vericache.server_info()["vericache"]["memory"]
+        finally:
+            list(pool.map(ServerProcess.stop, (plain, vericache)))
+    for i, (out, ref) in enumerate(zip(got, want, strict=True)):
+        assert out["output_ids"] == ref["output_ids"], f"{name}: prompt {i} differs"
+        # A model that repeats one token compares nothing.
+        assert len(set(ref["output_ids"])) >= 8, f"{name}: degenerate output"
+    rounds, drafted, accepted = (sum(c) for c in zip(*map(stats, got), strict=True))
+    assert rounds > 0 and accepted > 0, f"{name}: nothing was drafted and kept"
+    # Bytes per token, measured from the pools' tensors: the full KV as the geometry says,
+    # the compressed pages smaller.
+    # The layers carry the family's features, as VeriCache's startup line reads them.
+    line = next(line for line in vericache.log_path.read_text().splitlines()
+                if "VeriCache attention:" in line)
+    for feature, words in FEATURE_WORDS.items():
+        assert (words in line) == (feature in FAMILIES[name].features), (name, line)
+    full = memory["full_kv_bytes_per_token"]
+    assert full == pytest.approx(_full_kv_bytes_per_token(path), rel=1e-3)
+    assert memory["compressed_bytes_per_token"] < full / 3
+    print(f"\n[{name}] {rounds} rounds, {accepted}/{drafted} drafts kept; bytes per token: "
+          f"full {full:.0f}, compressed {memory['compressed_bytes_per_token']:.0f}")
+    if name in CHECKED_AGAINST_HF:
+        assert [ref["output_ids"] for ref in want] == _hf_greedy(path, prompts), (
+            f"{name}: plain SGLang's reference is not the model's own greedy output")
+
+
+def test_mla_is_refused_with_one_line(demo_model: Path):
+    """DeepSeek's multi-head latent attention: no compressed latent KV yet, so the server does
+    not start, and says why in one line (plain SGLang's CPU engine cannot prefill MLA either:
+    torch_native's MLA extend fails on a shape)."""
+    path = build("deepseek-v2", demo_model)
+    server = ServerProcess(path, [*ARGS, "--enable-vericache"], max_total_tokens=8192)
+    with pytest.raises(ServerStartError) as failed:
+        server.start(timeout=240, attempts=1)
+    assert server.proc.returncode == 1
+    last = str(failed.value).strip().splitlines()[-1]
+    assert last == ("vericache: error: DeepseekV2ForCausalLM has multi-head latent attention "
+                    "(MLA: DeepSeek V2/V3, Kimi K2); its compressed latent KV is not built yet: "
+                    "VeriCache cannot serve it exactly")
+
