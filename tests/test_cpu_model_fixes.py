@@ -171,8 +171,7 @@ def test_served_layer_features_are_not_refused(given):
 def test_a_windowed_or_capped_model_is_refused_off_the_device():
     """The host tier's streamed forwards serve full causal attention only."""
     model = torch.nn.ModuleList([_layer(0), _layer(1, sliding_window_size=WINDOW)])
-    pool = MHATokenToKVPool(size=8, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
-                            head_dim=DIM, layer_num=2, device="cpu", enable_memory_saver=False)
+    pool = _pool(layers=2)
     runner = SimpleNamespace(model=model, token_to_kv_pool=pool, model_config=SimpleNamespace(
         hf_config=SimpleNamespace(architectures=["Gemma3ForCausalLM"]), attention_arch=None))
     assert features.refusal(runner, "device") is None
@@ -180,3 +179,35 @@ def test_a_windowed_or_capped_model_is_refused_off_the_device():
         "Gemma3ForCausalLM has sliding-window or softcapped attention with the full KV in host "
         "memory (use --vericache-full-tier device): VeriCache cannot serve it exactly")
     assert features.describe(model).windowed == (1,)
+
+
+def test_a_position_dependent_temperature_is_refused():
+    layer = _layer()
+    layer.xai_temperature_len = 1024  # what SGLang's Grok sets after building the layer
+    assert "position-dependent attention temperature" in features._layer_refusal(layer)
+
+
+def _pool(layers: int = 1) -> MHATokenToKVPool:
+    return MHATokenToKVPool(size=8, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
+                            head_dim=DIM, layer_num=layers, device="cpu",
+                            enable_memory_saver=False)
+
+
+def test_model_level_features_vericache_does_not_serve_are_named():
+    from sglang.srt.configs.model_config import AttentionArch
+
+    plain = torch.nn.ModuleList([_layer()])
+    mha = SimpleNamespace(attention_arch=AttentionArch.MHA)
+    assert features._model_refusal(plain, mha, _pool()) is None
+    assert "multi-head latent attention" in features._model_refusal(
+        plain, SimpleNamespace(attention_arch=AttentionArch.MLA), _pool())
+    with_sinks = torch.nn.ModuleList([_layer()])
+    with_sinks[0].sinks = torch.nn.Parameter(torch.zeros(Q_HEADS), requires_grad=False)
+    assert features._model_refusal(with_sinks, mha, _pool()) == "attention sinks (gpt-oss)"
+
+    class OtherPool(MHATokenToKVPool):
+        """Any pool but SGLang's plain MHA pool (hybrid SWA, Mamba, ...)."""
+
+    other = OtherPool(size=8, page_size=1, dtype=torch.float32, head_num=KV_HEADS, head_dim=DIM,
+                      layer_num=1, device="cpu", enable_memory_saver=False)
+    assert "the OtherPool KV pool" in features._model_refusal(plain, mha, other)

@@ -406,3 +406,67 @@ def test_a_rounds_lookup_covers_only_the_groups_added_since_the_last_round():
     theirs = pool.pages(other, again)
     assert pool.looked_up[-1] == 20
     assert torch.equal(pool.page_slots[theirs], other.reshape(-1, 32))
+
+
+def test_a_tensor_parallel_rank_drafts_its_heads_as_the_whole_pool_does():
+    """Per-rank pieces of tensor parallelism (VeriCache refuses --tp-size above 1 today, and
+    SGLang's CPU engine does not start tensor parallelism here): SGLang gives each rank a KV
+    pool of its own KV heads and their query heads. A compressed pool and drafting backend
+    over one rank's heads draft exactly what the pool over all heads drafts for them: KIVI
+    quantizes each head on its own, so the pool splits by KV head as SGLang's pools do."""
+    kv_heads, group, slots, committed = 2, Q_HEADS // KV_HEADS, 1024, 300
+    gen = torch.Generator().manual_seed(9)
+    req_to_token = ReqToTokenPool(size=3, max_context_len=slots, device="cpu",
+                                  enable_memory_saver=False)
+    req_to_token.req_to_token[1, :committed] = (torch.randperm(slots - 1, generator=gen)
+                                                [:committed] + 1).to(torch.int32)
+    keys, values = (torch.randn(slots, kv_heads, DIM, generator=gen) for _ in range(2))
+    compressor = parse_compressor_spec("kivi:bits=4,group=32,residual=32")
+
+    def draft(heads: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        count = heads.stop - heads.start
+        kv = MHATokenToKVPool(size=slots, page_size=1, dtype=torch.float32, head_num=count,
+                              head_dim=DIM, layer_num=1, device="cpu", enable_memory_saver=False)
+        kv.k_buffer[0][:slots] = keys[:, heads]
+        kv.v_buffer[0][:slots] = values[:, heads]
+        pool = CompressedPagePool(compressor, kv, num_pages=pool_pages(compressor, slots))
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=req_to_token, token_to_kv_pool=kv)
+        backend = DraftAttnBackend(runner, CompressedTier(compressor), pool)
+        backend.begin_round([1], [committed], 1)
+        batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1,
+                             input_ids=torch.zeros(1, dtype=torch.int64),
+                             req_pool_indices=torch.tensor([1]),
+                             seq_lens=torch.tensor([committed + 1]),
+                             out_cache_loc=torch.zeros(1, dtype=torch.int64),
+                             seq_lens_sum=committed + 1)
+        layer = RadixAttention(count * group, DIM, SCALE, count, layer_id=0)
+        return backend.forward_decode(q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1),
+                                      layer, batch).view(count * group, DIM)
+
+    q = torch.randn(kv_heads * group, DIM, generator=gen)
+    k, v = (torch.randn(kv_heads, DIM, generator=gen) for _ in range(2))
+    whole = draft(slice(0, kv_heads), q, k, v)
+    ranks = [draft(slice(r, r + 1), q[r * group:(r + 1) * group], k[r:r + 1], v[r:r + 1])
+             for r in range(kv_heads)]
+    torch.testing.assert_close(torch.cat(ranks), whole, rtol=1e-5, atol=1e-6)
+
+
+def test_sliding_window_layers_keep_no_pages():
+    """Drafting reads a sliding-window layer's window exactly, so the pool holds no pages for
+    it: its storage is the other layers' share (measured), compressing a group never reads
+    that layer's full KV, and the other layers' pages are what they would be."""
+    setup = Setup("kivi:bits=4,group=32,residual=32", slots=512, layers=2)
+    windowed = CompressedPagePool(setup.compressor, setup.kv, num_pages=setup.pool.num_pages,
+                                  windowed_layers=[1])
+    per_layer = (setup.pool.allocated_bytes() - _storage_sum([setup.pool.page_slots])) / 2
+    assert windowed.allocated_bytes() == pytest.approx(
+        per_layer + _storage_sum([windowed.page_slots]))
+    reads = []
+    windowed.on_read = lambda nbytes, seconds: reads.append(nbytes)
+    setup.pool.on_read = lambda nbytes, seconds: None
+    slots = torch.arange(1, 65)
+    pages = windowed.pages(slots)
+    both = setup.pool.pages(slots)
+    assert len(reads) == 1  # layer 0 only
+    assert torch.equal(windowed.k_codes[0][pages], setup.pool.k_codes[0][both])
+    assert torch.equal(windowed.v_codes[0][pages], setup.pool.v_codes[0][both])

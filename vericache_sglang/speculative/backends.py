@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from vericache_sglang.attention.draft import DraftAttnBackend
+from vericache_sglang.attention.features import describe
 from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
 from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import Compressor
@@ -62,7 +63,8 @@ class RoundBackends:
         if compressor.prefix_stable:
             pages = (self.plan.compressed_pool_pages if self.plan is not None
                      else pool_pages(compressor, runner.max_total_num_tokens))
-            self.pool = CompressedPagePool(compressor, runner.token_to_kv_pool, num_pages=pages)
+            self.pool = CompressedPagePool(compressor, runner.token_to_kv_pool, num_pages=pages,
+                                           windowed_layers=describe(runner.model).windowed)
             self.pool.follow(runner.token_to_kv_pool_allocator)
             if self.staging is not None:
                 self.pool.on_read = self.staging.record_direct

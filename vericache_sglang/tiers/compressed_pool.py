@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import SimpleNamespace
 
 import torch
@@ -36,9 +36,12 @@ logger = logging.getLogger(__name__)
 class CompressedPagePool:
     """Preallocated compressed pages of every layer, keyed by the full-pool slots they cover."""
 
-    def __init__(self, compressor: KiviQuantizer, full_pool, *, num_pages: int) -> None:
+    def __init__(self, compressor: KiviQuantizer, full_pool, *, num_pages: int,
+                 windowed_layers: Collection[int] = ()) -> None:
         """`full_pool`: SGLang's KV pool (`MHATokenToKVPool`), whose slots key the pages and
-        whose K/V they are compressed from."""
+        whose K/V they are compressed from. `windowed_layers`: sliding-window layers, which
+        drafting reads exactly within their window (`DraftAttnBackend._window_attention`):
+        the pool holds no pages for them."""
         if not compressor.prefix_stable:
             raise ValueError(f"{compressor.spec()} is not prefix-stable: its blocks depend on "
                              "more than a group's own tokens, so they cannot be shared pages")
@@ -52,18 +55,20 @@ class CompressedPagePool:
         self.v_group = math.gcd(self.group, head_dim)
         self.num_pages = num_pages
         self.bits = [compressor.plan(layer).old_bits for layer in range(num_layers)]
+        self.windowed_layers = frozenset(windowed_layers)
         fp16 = {"dtype": torch.float16, "device": device}
         self.k_codes, self.k_scale, self.k_zero = [], [], []
         self.v_codes, self.v_scale, self.v_zero = [], [], []
-        for bits in self.bits:
+        for layer, bits in enumerate(self.bits):
             per_byte = 8 // bits
-            self.k_codes.append(torch.zeros(num_pages, kv_heads, head_dim, self.group // per_byte,
+            pages = 0 if layer in self.windowed_layers else num_pages
+            self.k_codes.append(torch.zeros(pages, kv_heads, head_dim, self.group // per_byte,
                                             dtype=torch.uint8, device=device))
-            self.k_scale.append(torch.zeros(num_pages, kv_heads, head_dim, **fp16))
-            self.k_zero.append(torch.zeros(num_pages, kv_heads, head_dim, **fp16))
-            self.v_codes.append(torch.zeros(num_pages, self.group, kv_heads, head_dim // per_byte,
+            self.k_scale.append(torch.zeros(pages, kv_heads, head_dim, **fp16))
+            self.k_zero.append(torch.zeros(pages, kv_heads, head_dim, **fp16))
+            self.v_codes.append(torch.zeros(pages, self.group, kv_heads, head_dim // per_byte,
                                             dtype=torch.uint8, device=device))
-            meta = (num_pages, self.group, kv_heads, head_dim // self.v_group)
+            meta = (pages, self.group, kv_heads, head_dim // self.v_group)
             self.v_scale.append(torch.zeros(meta, **fp16))
             self.v_zero.append(torch.zeros(meta, **fp16))
         # Which slots each page covers (-1: free), and the page of each slot tuple.
@@ -257,8 +262,11 @@ class CompressedPagePool:
     def _compress(self, pages: torch.Tensor, groups: torch.Tensor) -> None:
         """Quantize the K/V at `groups` [n, group] of the full pool into `pages` [n]."""
         rows = groups.flatten()
-        tiers = []
+        tiers: list[QuantTier | None] = []
         for layer, bits in enumerate(self.bits):
+            if layer in self.windowed_layers:
+                tiers.append(None)
+                continue
             began = time.perf_counter()
             keys = self.full_pool.get_key_buffer(layer)[rows]
             values = self.full_pool.get_value_buffer(layer)[rows]
@@ -269,11 +277,14 @@ class CompressedPagePool:
         self._write(pages, groups, tiers)
         self.compressed_pages += len(pages)
 
-    def _write(self, pages: torch.Tensor, groups: torch.Tensor, tiers: list[QuantTier]) -> None:
+    def _write(self, pages: torch.Tensor, groups: torch.Tensor,
+               tiers: list[QuantTier | None]) -> None:
         """Store per-layer `tiers` of `groups` [n, group] (n key groups, in order) as
-        `pages` [n]."""
+        `pages` [n]; windowed layers keep none."""
         n = len(pages)
         for layer, tier in enumerate(tiers):
+            if layer in self.windowed_layers:
+                continue
             self.k_codes[layer][pages] = tier.k_codes.to(self.k_codes[layer].device)
             self.k_scale[layer][pages] = tier.k_scale.to(self.k_scale[layer].device)
             self.k_zero[layer][pages] = tier.k_zero.to(self.k_zero[layer].device)
