@@ -64,13 +64,10 @@ def _hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
                 for ids in prompts]
 
 
-def _full_kv_bytes_per_token(path: Path) -> int:
-    """From the saved config: K and V of every layer, float32."""
+def _config(path: Path) -> dict:
     import json
 
-    config = json.loads((path / "config.json").read_text())
-    layers = config["num_hidden_layers"]
-    return 2 * layers * config["num_key_value_heads"] * config.get("head_dim", 64) * 4
+    return json.loads((path / "config.json").read_text())
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -95,16 +92,22 @@ def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts):
         assert len(set(ref["output_ids"])) >= 8, f"{name}: degenerate output"
     rounds, drafted, accepted = (sum(c) for c in zip(*map(stats, got), strict=True))
     assert rounds > 0 and accepted > 0, f"{name}: nothing was drafted and kept"
-    # Bytes per token, measured from the pools' tensors: the full KV as the geometry says,
-    # the compressed pages smaller.
     # The layers carry the family's features, as VeriCache's startup line reads them.
     line = next(line for line in vericache.log_path.read_text().splitlines()
                 if "VeriCache attention:" in line)
     for feature, words in FEATURE_WORDS.items():
         assert (words in line) == (feature in FAMILIES[name].features), (name, line)
+    windowed = memory["compressed_pool_windowed_layers"]
+    assert bool(windowed) == ("sliding window" in FAMILIES[name].features)
+    # Bytes per token, measured from the pools' tensors: the full KV as the geometry says (K
+    # and V of every layer, float32), compressed pages for the layers without a window only.
+    config = _config(path)
+    layers = config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     full = memory["full_kv_bytes_per_token"]
-    assert full == pytest.approx(_full_kv_bytes_per_token(path), rel=1e-3)
-    assert memory["compressed_bytes_per_token"] < full / 3
+    assert full == pytest.approx(2 * layers * config["num_key_value_heads"] * head_dim * 4,
+                                 rel=1e-3)
+    assert memory["compressed_bytes_per_token"] < full / 3 * (layers - len(windowed)) / layers
     print(f"\n[{name}] {rounds} rounds, {accepted}/{drafted} drafts kept; bytes per token: "
           f"full {full:.0f}, compressed {memory['compressed_bytes_per_token']:.0f}")
     if name in CHECKED_AGAINST_HF:

@@ -138,6 +138,8 @@ class RoundBackends:
                 "compressed_page_tokens": self.pool.group,
                 "compressed_bytes_per_token": pool_bytes / (self.pool.num_pages
                                                             * self.pool.group),
+                # Sliding-window layers, read exactly within their window: no pages.
+                "compressed_pool_windowed_layers": sorted(self.pool.windowed_layers),
             })
         return report
 
