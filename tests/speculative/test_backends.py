@@ -126,26 +126,6 @@ def test_draft_step_outside_the_round_is_refused():
         backend.set_step(2)
 
 
-def test_verify_is_causal_attention_over_the_full_kv_and_writes_it():
-    p = Pools()
-    backend = VerifyAttnBackend(p.runner)
-    width = 5
-    locs = p.rows[PREFIX : PREFIX + width]
-    positions = torch.arange(PREFIX, PREFIX + width)
-    fb = p.batch(ForwardMode.TARGET_VERIFY, PREFIX, locs,
-                 spec_info=VeriCacheVerifyInput(draft_token_num=width, positions=positions))
-    backend.init_forward_metadata(fb)
-    span = slice(PREFIX, PREFIX + width)
-    out = backend.forward_extend(p.queries[span].reshape(width, -1), p.keys[span],
-                                 p.values[span], p.layer, fb)
-    for i in range(width):
-        t = PREFIX + i
-        expected = attention(p.queries[t], p.keys[: t + 1], p.values[: t + 1], SCALE)
-        torch.testing.assert_close(out[i].view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)
-    assert torch.equal(p.pool.k_buffer[0][locs], p.keys[span])
-    assert torch.equal(p.pool.v_buffer[0][locs], p.values[span])
-
-
 def test_verify_batch_computes_only_the_verified_queries(monkeypatch):
     """Two requests with different committed lengths in one TARGET_VERIFY forward: each of
     their `width` tokens attends causally over its own full KV, and attention is computed for
@@ -266,9 +246,11 @@ def test_a_capped_layer_drafts_with_its_cap():
                               atol=1e-3)
 
 
-@pytest.mark.parametrize("features", [{"sliding_window_size": WINDOW}, {"logit_cap": CAP},
+@pytest.mark.parametrize("features", [{}, {"sliding_window_size": WINDOW}, {"logit_cap": CAP},
                                       {"sliding_window_size": WINDOW, "logit_cap": CAP}])
-def test_verify_applies_the_layers_window_and_cap(features):
+def test_verify_is_causal_attention_over_the_full_kv_and_writes_it(features):
+    """Each chain query attends causally over the full KV, within the layer's window and with
+    its cap where it has them, and the chain's K/V are written."""
     p = Pools(**features)
     backend = VerifyAttnBackend(p.runner)
     width = 5
@@ -287,3 +269,5 @@ def test_verify_applies_the_layers_window_and_cap(features):
         expected = attention(p.queries[t], p.keys[seen], p.values[seen], SCALE,
                              features.get("logit_cap", 0.0))
         torch.testing.assert_close(out[i].view(Q_HEADS, DIM), expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(p.pool.k_buffer[0][locs], p.keys[span])
+    assert torch.equal(p.pool.v_buffer[0][locs], p.values[span])
