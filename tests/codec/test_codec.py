@@ -1,6 +1,8 @@
 """The CacheGen codec on real demo-model KV: the whole stream gives back the exact bits, the pool
 level is the compressed pool's own pages bit for bit, coarser levels are those codes without
-their low bits and decode from a prefix of the stream, and damaged streams are refused."""
+their low bits and decode from a prefix of the stream, and damaged streams are refused, each
+with the kind of error a store acts on: cut short, corrupted (a digest fails: the only one a
+store removes), or foreign (another format or version)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from vericache_sglang.codec import (
     CodecSpec,
-    StreamError,
+    StreamCorrupt,
+    StreamForeign,
+    StreamTruncated,
     coarser,
     decode_chunk,
     encode,
@@ -22,7 +26,7 @@ from vericache_sglang.codec import (
     prefix_length,
     read_header,
 )
-from vericache_sglang.codec.stream import read_parts
+from vericache_sglang.codec.stream import VERSION, read_parts
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.quant import QuantTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
@@ -114,9 +118,9 @@ def test_a_coarse_level_decodes_from_a_prefix_of_the_stream(model_kv):
     # coarser, but close: dequantized error within the coarse bins
     k_coarse, _ = coarse[0].dequantize(torch.float32)
     assert (k_coarse - keys[0].float()).abs().max() <= coarse[0].k_scale.float().max()
-    with pytest.raises(StreamError, match="truncated"):
+    with pytest.raises(StreamTruncated):
         decode_chunk(prefix, level=1, key=KEY)
-    with pytest.raises(StreamError, match="truncated"):
+    with pytest.raises(StreamTruncated):
         decode_chunk(prefix, key=KEY)
     assert parts_in(header, len(prefix)) == 1 and parts_in(header, len(blob)) == 3
     # Lifted back to the pool's bits (a coarse page in the compressed pool), the same values.
@@ -134,7 +138,7 @@ def test_chunks_decode_on_their_own(model_kv):
     assert len(streams) == 2
     second = decode_chunk(streams[1], key=KEY + (256).to_bytes(8, "little"))
     assert torch.equal(_bits(second.keys), _bits(keys[:, 256:]))
-    with pytest.raises(StreamError, match="not this stream"):
+    with pytest.raises(StreamCorrupt, match="not this stream"):
         decode_chunk(streams[1], key=KEY)  # stored under another chunk's name
 
 
@@ -147,16 +151,20 @@ def blob(model_kv) -> bytes:
 def test_truncated_streams_are_refused(blob):
     cuts = sorted(random.Random(0).sample(range(len(blob)), 40)) + [0, 3, 10, len(blob) - 1]
     for cut in cuts:
-        with pytest.raises(StreamError):
+        with pytest.raises(StreamTruncated):
             decode_chunk(blob[:cut], key=KEY)
 
 
 def test_flipped_bits_are_refused(blob):
+    """A flipped bit in the magic or version makes another format; in the header's length
+    (bytes 5-8) a header cut short or failing its digest; anywhere else a failed digest."""
     rng = random.Random(1)
-    for position in [*rng.sample(range(len(blob)), 60), 0, 4, 5, len(blob) - 1]:
+    for position in [*rng.sample(range(len(blob)), 60), 0, 4, 5, 8, 9, len(blob) - 1]:
         damaged = bytearray(blob)
         damaged[position] ^= 1 << rng.randrange(8)
-        with pytest.raises(StreamError):
+        kind = (StreamForeign if position < 5 else (StreamTruncated, StreamCorrupt)
+                if position < 9 else StreamCorrupt)
+        with pytest.raises(kind):
             decode_chunk(bytes(damaged), key=KEY)
 
 
@@ -164,22 +172,45 @@ def test_reordered_foreign_and_extended_streams_are_refused(blob, model_kv):
     header, parts = read_parts(blob, key=KEY)
     head = blob[:prefix_length(header, 0)]
     swapped = head + bytes(parts[1]) + bytes(parts[0]) + b"".join(bytes(p) for p in parts[2:])
-    with pytest.raises(StreamError):
+    with pytest.raises(StreamCorrupt):
         decode_chunk(swapped, key=KEY)
     keys, values = _chunk(model_kv, torch.bfloat16, tokens=64, start=64)
     other = encode_chunk(keys, values, _spec(), key=KEY)
     other_header, other_parts = read_parts(other, key=KEY)
     spliced = head + bytes(parts[0]) + bytes(other_parts[1]) + bytes(parts[2])
-    with pytest.raises(StreamError):
+    with pytest.raises(StreamCorrupt):
         decode_chunk(spliced, key=KEY)
-    with pytest.raises(StreamError, match="not a VeriCache KV stream"):
+    with pytest.raises(StreamForeign, match="not a VeriCache KV stream"):
         decode_chunk(b"\x89PNG\r\n\x1a\n" + blob[8:], key=KEY)
-    with pytest.raises(StreamError, match="version"):
+    with pytest.raises(StreamForeign, match="version"):
         decode_chunk(blob[:4] + bytes([99]) + blob[5:], key=KEY)
-    with pytest.raises(StreamError, match="unexpected bytes"):
+    with pytest.raises(StreamCorrupt, match="unexpected bytes"):
         decode_chunk(blob + b"\0", key=KEY)
-    with pytest.raises(StreamError, match="not this stream"):
+    with pytest.raises(StreamCorrupt, match="not this stream"):
         decode_chunk(blob, key=b"page-1")
+
+
+def test_a_stream_of_the_previous_version_is_foreign(blob):
+    """Version 1 keyed part digests by 64 bytes of the key: such a stream is another format,
+    not a damaged one (a store leaves it in place)."""
+    assert blob[4] == VERSION == 2
+    with pytest.raises(StreamForeign, match="version 1"):
+        decode_chunk(blob[:4] + bytes([1]) + blob[5:], key=KEY)
+
+
+def test_the_part_digests_bind_the_whole_key(model_kv):
+    """Two storage keys alike in their first 64 bytes (a Mooncake page name and its rank
+    suffix): neither verifies the other's parts."""
+    keys, values = _chunk(model_kv, torch.bfloat16, tokens=64)
+    page = b"%064x" % 12345
+    rank0, rank1 = page + b"_0_c", page + b"_1_c"
+    blob = encode_chunk(keys, values, _spec(), key=rank0)
+    assert torch.equal(_bits(decode_chunk(blob, key=rank0).keys), _bits(keys))
+    for other in (rank1, page):
+        with pytest.raises(StreamCorrupt, match="not this stream"):
+            decode_chunk(blob, key=other)
+        with pytest.raises(StreamCorrupt, match="not this stream"):
+            read_parts(blob, 1, key=other)
 
 
 def test_unusual_values_round_trip():

@@ -9,8 +9,17 @@ then the exact KV bits), range coded, self-describing.
 """
 
 from .chunk import CodecSpec, DecodedChunk, coarser, decode_chunk, encode, encode_chunk, finer
-from .stream import Header, StreamError, parts_in, prefix_length, read_header
+from .stream import (
+    Header,
+    StreamCorrupt,
+    StreamError,
+    StreamForeign,
+    StreamTruncated,
+    parts_in,
+    prefix_length,
+    read_header,
+)
 
-__all__ = ["CodecSpec", "DecodedChunk", "Header", "StreamError", "coarser", "decode_chunk",
-           "encode", "encode_chunk", "finer", "parts_in", "prefix_length",
-           "read_header"]
+__all__ = ["CodecSpec", "DecodedChunk", "Header", "StreamCorrupt", "StreamError",
+           "StreamForeign", "StreamTruncated", "coarser", "decode_chunk", "encode",
+           "encode_chunk", "finer", "parts_in", "prefix_length", "read_header"]

@@ -33,7 +33,9 @@ from .entropy import Grouping, SymbolReader, SymbolWriter
 from .stream import (
     Header,
     StreamError,
+    StreamForeign,
     pack_sections,
+    read_header,
     read_parts,
     unpack_sections,
     write_stream,
@@ -268,24 +270,23 @@ def _encode_exact(keys: torch.Tensor, values: torch.Tensor, tier: QuantTier,
 def decode_chunk(blob: bytes | memoryview, level: int | None = None,
                  key: bytes = b"") -> DecodedChunk:
     """Decode lossy `level` (an index into the header's levels; parts past it need not be in
-    `blob`), or the exact K/V when `level` is None."""
-    from .stream import read_header
-
+    `blob`), or the exact K/V when `level` is None. Raises a `StreamError` kind; a stream whose
+    digests pass but that does not decode is `StreamForeign`: its bytes are what its writer
+    stored, so another writer's format, not damage."""
     header, _ = read_header(blob)
     levels = header.levels
     want = len(levels) if level is None else level
     if level is None and not header.exact:
-        raise StreamError("this KV stream holds no exact part")
+        raise StreamForeign("this KV stream holds no exact part")
     if not 0 <= want <= len(levels):
-        raise StreamError(f"level {level} not in this stream (levels 0-{len(levels) - 1})")
+        raise StreamForeign(f"level {level} not in this stream (levels 0-{len(levels) - 1})")
     header, parts = read_parts(blob, min(want + 1, header.num_parts), key)
-    geo = _Geometry(header)
     try:
-        return _decode(header, geo, parts, want)
-    except (ValueError, RuntimeError, IndexError) as e:
+        return _decode(header, _Geometry(header), parts, want)
+    except (ValueError, TypeError, RuntimeError, IndexError, zstandard.ZstdError) as e:
         if isinstance(e, StreamError):
             raise
-        raise StreamError(f"KV stream undecodable: {e}") from None
+        raise StreamForeign(f"KV stream undecodable: {e}") from None
 
 
 def _decode(header: Header, geo: _Geometry, parts: list[memoryview], want: int) -> DecodedChunk:
@@ -334,13 +335,13 @@ def _decode_level(header: Header, geo: _Geometry, sections: list[memoryview], in
             num_groups = len(grouping.counts)
             size = num_groups << width
             if pos + size > flat.size:
-                raise StreamError("KV stream tables are short")
+                raise StreamForeign("KV stream tables are short")
             tables = flat[pos:pos + size].reshape(num_groups, 1 << width)
             pos += size
             layer_codes <<= width
             layer_codes |= reader.grouped(grouping, tables)
     if pos != flat.size:
-        raise StreamError("KV stream tables have unexpected entries")
+        raise StreamForeign("KV stream tables have unexpected entries")
 
 
 def _tiers(header: Header, geo: _Geometry, codes: np.ndarray, meta: list[torch.Tensor],
@@ -380,7 +381,7 @@ def _decode_exact(header: Header, geo: _Geometry, part: memoryview,
         for i, layer in enumerate(members):
             section = sections[layer]
             if len(section) < 1:
-                raise StreamError("KV stream exact section is empty")
+                raise StreamForeign("KV stream exact section is empty")
             mode, data = section[0], section[1:]
             if mode == EXACT_PLANES:
                 x = exact.decode_planes(data, 2 * n, geo.fmt).view(geo.fmt.int_dtype).numpy()
@@ -389,7 +390,7 @@ def _decode_exact(header: Header, geo: _Geometry, part: memoryview,
                 plan = exact.bin_plan(pred[i], half[i], geo.fmt)
                 out[:, layer] = exact.decode_residual(data, plan, geo.fmt).reshape(2, n)
             else:
-                raise StreamError(f"KV stream exact section of unknown mode {mode}")
+                raise StreamForeign(f"KV stream exact section of unknown mode {mode}")
     keys, values = (exact.floats(x, geo.fmt).reshape(layers, *geo.v_codes) for x in out)
     return keys, values
 

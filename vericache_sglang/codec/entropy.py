@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import constriction
 import numpy as np
 
-from .stream import StreamError
+from .stream import StreamForeign
 
 _model = constriction.stream.model
 _UNIFORM = _model.Uniform()
@@ -110,13 +110,13 @@ class SymbolReader:
 
     def __init__(self, data: bytes | memoryview) -> None:
         if len(data) % 4:
-            raise StreamError("range-coded section is not a whole number of words")
+            raise StreamForeign("range-coded section is not a whole number of words")
         words = np.frombuffer(data, dtype=np.uint32).copy()
         self._decoder = constriction.stream.queue.RangeDecoder(words)
 
     def grouped(self, grouping: Grouping, tables: np.ndarray) -> np.ndarray:
         if not tables[grouping.coded].any(axis=1).all():
-            raise StreamError("KV stream table has no symbols for a coded group")
+            raise StreamForeign("KV stream table has no symbols for a coded group")
         decode = self._decoder.decode
         parts = [decode(_categorical(freqs), count)
                  for freqs, count in zip(tables.astype(np.float64), grouping.counts, strict=True)

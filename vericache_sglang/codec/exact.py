@@ -21,7 +21,7 @@ import torch
 import zstandard
 
 from .entropy import Grouping, SymbolReader, SymbolWriter
-from .stream import StreamError
+from .stream import StreamForeign
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,8 @@ def decode_planes(data: memoryview, n: int, fmt: FloatFormat) -> torch.Tensor:
     try:
         raw = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=n * width)
     except zstandard.ZstdError as e:
-        raise StreamError(f"KV stream byte planes unreadable: {e}") from None
+        raise StreamForeign(f"KV stream byte planes unreadable: {e}") from None
     if len(raw) != n * width:
-        raise StreamError("KV stream byte planes have the wrong length")
+        raise StreamForeign("KV stream byte planes have the wrong length")
     planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(width, n)
     return planes.T.contiguous().view(fmt.dtype).reshape(n)

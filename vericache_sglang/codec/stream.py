@@ -4,9 +4,16 @@
 
 The header names everything a decoder needs (shapes, dtype, levels, table grouping, each part's
 length and digest) and its digest covers the magic, version and header bytes. A part's digest is
-keyed by the stream's key (e.g. the storage page key) and the part's index, so a part from
-another stream or another position, or a stream stored under another key, is refused. A stream
-cut short still decodes the levels whose parts arrived whole: that is what makes it progressive.
+keyed by the whole of the stream's key (e.g. the storage page key, its rank suffix included) and
+the part's index, so a part from another stream or another position, or a stream stored under
+another key, is refused. A stream cut short still decodes the levels whose parts arrived whole:
+that is what makes it progressive.
+
+A stream that is not decoded raises one of `StreamError`'s kinds, which tell a store what to do
+with the object: `StreamCorrupt` (a digest fails: the bytes are not what was written, the only
+proof of damage), `StreamTruncated` (it ends before its header or parts do) and `StreamForeign`
+(another format or version, or bytes that passed their digests but that this codec or this
+reader's configuration does not take: valid data of another writer).
 """
 
 from __future__ import annotations
@@ -17,13 +24,28 @@ import struct
 from dataclasses import asdict, dataclass
 
 MAGIC = b"VCKV"
-VERSION = 1
+VERSION = 2
+"""2: part digests keyed by the whole stream key (1 keyed them by its first 64 bytes)."""
 DIGEST_BYTES = 16
 _PREFIX = struct.Struct("<4sBI")
+_MAC_PERSON = b"vericache-kv-mac"
 
 
 class StreamError(ValueError):
-    """A stream that is truncated, corrupted, foreign or of an unknown version: never decoded."""
+    """A stream that is never decoded; raised as one of the kinds below."""
+
+
+class StreamTruncated(StreamError):
+    """The stream ends before its header or a part it was asked for does."""
+
+
+class StreamCorrupt(StreamError):
+    """A digest fails: the header or a part is not what its writer stored under this key."""
+
+
+class StreamForeign(StreamError):
+    """Another format or version, or a stream whose digests pass but that this reader does not
+    take (another writer's configuration, or a layout this codec cannot decode)."""
 
 
 @dataclass(frozen=True)
@@ -50,16 +72,23 @@ class Header:
         return len(self.part_lengths)
 
 
-def _part_digest(key: bytes, index: int, part: bytes | memoryview) -> str:
-    return hashlib.blake2b(part, digest_size=DIGEST_BYTES, key=key[:64],
+def _mac_key(key: bytes) -> bytes:
+    """The parts' MAC key: a hash of the whole stream key (blake2b takes at most 64 key bytes,
+    and a storage key's tail, e.g. its rank, must count)."""
+    return hashlib.blake2b(key, person=_MAC_PERSON).digest()
+
+
+def _part_digest(mac: bytes, index: int, part: bytes | memoryview) -> str:
+    return hashlib.blake2b(part, digest_size=DIGEST_BYTES, key=mac,
                            person=struct.pack("<Q", index)).hexdigest()
 
 
 def write_stream(fields: dict, parts: list[bytes], key: bytes = b"") -> bytes:
     """The stream of `parts` under a header made of `fields` (every `Header` field but the
     part lengths and digests)."""
+    mac = _mac_key(key)
     header = Header(**fields, part_lengths=[len(p) for p in parts],
-                    part_digests=[_part_digest(key, i, p) for i, p in enumerate(parts)])
+                    part_digests=[_part_digest(mac, i, p) for i, p in enumerate(parts)])
     text = json.dumps(asdict(header), separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, len(text)) + text
     digest = hashlib.blake2b(head, digest_size=DIGEST_BYTES).digest()
@@ -70,22 +99,22 @@ def read_header(blob: bytes | memoryview) -> tuple[Header, int]:
     """The header of `blob` and the offset of its first part; refuses a foreign or damaged one."""
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
-        raise StreamError(f"not a VeriCache KV stream: {len(view)} bytes")
+        raise StreamTruncated(f"KV stream truncated: {len(view)} bytes")
     magic, version, length = _PREFIX.unpack_from(view)
     if magic != MAGIC:
-        raise StreamError(f"not a VeriCache KV stream (magic {bytes(magic)!r})")
+        raise StreamForeign(f"not a VeriCache KV stream (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise StreamError(f"KV stream version {version}; this codec reads version {VERSION}")
+        raise StreamForeign(f"KV stream version {version}; this codec reads version {VERSION}")
     end = _PREFIX.size + length
     if len(view) < end + DIGEST_BYTES:
-        raise StreamError("KV stream truncated inside its header")
+        raise StreamTruncated("KV stream truncated inside its header")
     digest = hashlib.blake2b(view[:end], digest_size=DIGEST_BYTES).digest()
     if digest != bytes(view[end:end + DIGEST_BYTES]):
-        raise StreamError("KV stream header corrupted (digest mismatch)")
+        raise StreamCorrupt("KV stream header corrupted (digest mismatch)")
     try:
         header = Header(**json.loads(bytes(view[_PREFIX.size:end])))
-    except (TypeError, ValueError) as e:
-        raise StreamError(f"KV stream header unreadable: {e}") from None
+    except (TypeError, ValueError) as e:  # its digest passed: a writer's, not ours
+        raise StreamForeign(f"KV stream header unreadable: {e}") from None
     return header, end + DIGEST_BYTES
 
 
@@ -97,20 +126,23 @@ def read_parts(blob: bytes | memoryview, count: int | None = None,
     view = memoryview(blob)
     count = header.num_parts if count is None else count
     if not 0 <= count <= header.num_parts:
-        raise StreamError(f"asked for {count} parts of a stream of {header.num_parts}")
+        raise StreamForeign(f"asked for {count} parts of a stream of {header.num_parts}")
+    mac = _mac_key(key)
     parts = []
     for i in range(count):
         length = header.part_lengths[i]
         part = view[offset:offset + length]
         if len(part) != length:
-            raise StreamError(f"KV stream truncated in part {i} ({len(part)} of {length} bytes)")
-        if _part_digest(key, i, part) != header.part_digests[i]:
-            raise StreamError(f"KV stream part {i} corrupted or not this stream's (digest "
-                              "mismatch)")
+            raise StreamTruncated(f"KV stream truncated in part {i} ({len(part)} of {length} "
+                                  "bytes)")
+        if _part_digest(mac, i, part) != header.part_digests[i]:
+            raise StreamCorrupt(f"KV stream part {i} corrupted or not this stream's (digest "
+                                "mismatch)")
         parts.append(part)
         offset += length
     if count == header.num_parts and offset != len(view):
-        raise StreamError(f"{len(view) - offset} unexpected bytes after the KV stream's last part")
+        raise StreamCorrupt(f"{len(view) - offset} unexpected bytes after the KV stream's last "
+                            "part")
     return header, parts
 
 
@@ -139,17 +171,18 @@ def pack_sections(sections: list[bytes]) -> bytes:
 
 
 def unpack_sections(part: memoryview, count: int) -> list[memoryview]:
-    """Inverse of `pack_sections`: exactly `count` sections filling the part."""
+    """Inverse of `pack_sections`: exactly `count` sections filling the part. The part passed
+    its digest, so a layout that does not fit is another writer's (`StreamForeign`)."""
     out, offset = [], 0
     for _ in range(count):
         if offset + _SECTION.size > len(part):
-            raise StreamError("KV stream part ends inside a section header")
+            raise StreamForeign("KV stream part ends inside a section header")
         (length,) = _SECTION.unpack_from(part, offset)
         offset += _SECTION.size
         if offset + length > len(part):
-            raise StreamError("KV stream part ends inside a section")
+            raise StreamForeign("KV stream part ends inside a section")
         out.append(part[offset:offset + length])
         offset += length
     if offset != len(part):
-        raise StreamError("KV stream part has bytes after its last section")
+        raise StreamForeign("KV stream part has bytes after its last section")
     return out
