@@ -53,32 +53,65 @@ def _page(value: float) -> torch.Tensor:
     return torch.full((2 * PAGE,), value)
 
 
+def _slots(start: int) -> torch.Tensor:
+    return torch.arange(start, start + PAGE)
+
+
 def test_a_device_page_waits_for_its_exact_kv_and_is_written_host_first(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], torch.arange(100, 100 + PAGE), PAGE)
-    assert registry.on_device() and not registry.device_ready()
-    assert not registry.settle(block=False).writes and not host.written
-    threading.Timer(0.2, exact.set_result, [(_page(7.0), None)]).start()
-    settled = registry.settle(block=True)
-    assert settled.waited_seconds > 0.1
+    registry.loaded(["a"], _slots(100), PAGE)
+    context = torch.arange(96, 120)  # a prefill whose prefix holds the page
+    assert registry.waiting_in(context) and registry.arriving_in(context)
+    assert not registry.settle(context=context, block=False).writes and not host.written
+    result: list = []
+    barrier = threading.Thread(
+        target=lambda: result.append(registry.settle(context=context, block=True)))
+    barrier.start()
+    barrier.join(0.5)
+    assert barrier.is_alive() and not host.written  # the barrier waits for the exact KV
+    exact.set_result((_page(7.0), None))
+    barrier.join()
+    settled, = result
     assert host.written[0][0] == 8 and torch.equal(host.written[0][1], _page(7.0))
     (slots, kv), = settled.writes
-    assert slots.tolist() == list(range(100, 100 + PAGE)) and kv.shape == (2, 1, PAGE, 1, 1)
+    assert slots.tolist() == _slots(100).tolist() and kv.shape == (2, 1, PAGE, 1, 1)
     assert not settled.codes  # answered on the pool level: nothing to refine
-    assert not registry.on_device() and registry.snapshot()["waiting_pages"] == 0
+    assert not registry.waiting_in() and registry.snapshot()["waiting_pages"] == 0
 
 
-def test_a_host_page_sglang_freed_is_never_written(pending) -> None:
+def test_a_forward_that_reads_no_waiting_page_never_waits(pending) -> None:
+    """Another request's prefill (its prefix elsewhere) or a decode (no context) runs while
+    a page's exact KV is on its way; the page is written once it arrives."""
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    host.free(torch.arange(8, 8 + PAGE))  # SGLang frees it: the registry's wrap hears it
-    exact.set_result((_page(1.0), None))
-    assert not registry.settle(block=False).writes
-    assert not host.written and host.freed == [list(range(8, 8 + PAGE))]
-    assert registry.snapshot()["waiting_pages"] == 0
+    registry.loaded(["a"], _slots(100), PAGE)
+    elsewhere = torch.arange(0, 64)
+    assert not registry.waiting_in(elsewhere) and registry.waiting_in()
+    for context in (elsewhere, None):
+        settled = registry.settle(context=context, block=True)
+        assert not settled.writes and not settled.failed and settled.waited_seconds == 0
+    exact.set_result((_page(5.0), None))
+    (slots, _), = registry.settle(context=None, block=False).writes
+    assert slots.tolist() == _slots(100).tolist() and host.written[0][0] == 8
+
+
+def test_an_exact_part_past_the_deadline_counts_as_failed(pending) -> None:
+    registry, host = pending
+    registry.deadline = 0.05
+    registry.expect("a", 8, Future())  # never answered: a store that stopped responding
+    registry.loaded(["a"], _slots(40), PAGE)
+    settled = registry.settle(context=_slots(40), block=True)
+    assert [s.tolist() for s in settled.failed.values()] == [_slots(40).tolist()]
+    assert registry.snapshot()["exact_timed_out"] == 1 and not host.written
+
+
+def _heal(registry: PendingExact, recomputed: torch.Tensor, failed: dict) -> None:
+    """The worker's heal after recomputing `recomputed`: each slot's KV is its index."""
+    registry.heal(recomputed, failed, lambda slots: slots.float().reshape(1, 1, -1, 1, 1)
+                  .expand(2, 1, -1, 1, 1))
 
 
 def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pending) -> None:
@@ -87,29 +120,75 @@ def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pend
     registry.expect("a", 8, exact)
     exact.set_exception(StreamError("the store has no exact object"))
     # Only on the host: it stays, poisoned, and is not written.
-    assert not registry.settle(block=False).failed and not host.written
-    registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
+    assert not registry.settle(context=None, block=False).failed and not host.written
+    registry.loaded(["a"], _slots(40), PAGE)
+    # Failed before any settle marked it: the prefill over it must still stop for it.
+    assert registry.waiting_in(_slots(40)) and not registry.arriving_in(_slots(40))
     # While drafting, failures wait for the barrier.
-    assert not registry.settle(block=False, failures=False).failed
-    settled = registry.settle(block=True)
-    assert [s.tolist() for s in settled.failed.values()] == [list(range(40, 40 + PAGE))]
+    assert not registry.settle(context=_slots(40), block=False, failures=False).failed
+    settled = registry.settle(context=_slots(40), block=True)
+    assert [s.tolist() for s in settled.failed.values()] == [_slots(40).tolist()]
     assert not settled.writes and not host.written
-    assert registry.snapshot()["recomputed_pages"] == 1
     # The worker recomputed the slots: their KV heals the host page, and the page is done.
-    registry.heal(settled.failed, lambda slots: slots.float().reshape(1, 1, PAGE, 1, 1)
-                  .expand(2, 1, PAGE, 1, 1))
+    _heal(registry, _slots(40), settled.failed)
     (index, flat), = host.written
     assert index == 8 and flat.tolist() == [40.0, 41.0, 42.0, 43.0] * 2
     assert registry.snapshot()["waiting_pages"] == 0
+    assert registry.snapshot()["recomputed_pages"] == 1
+
+
+def test_a_failed_page_outside_the_forward_is_never_promoted(pending) -> None:
+    """The request that loaded the page was aborted (or another batch runs) when its exact
+    part fails: its lossy device and host copies stay poisoned, are never copied as exact,
+    and come back for recompute in the prefill that reads them, wherever SGLang put them."""
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    registry.loaded(["a"], _slots(40), PAGE)
+    exact.set_exception(StreamError("the store has no exact object"))
+    settled = registry.settle(context=torch.arange(0, 32), block=True)  # another prefill
+    assert not settled.failed and not settled.writes and not host.written
+    assert registry.snapshot()["failed_pages_held"] == 1
+    registry.released(_slots(40))  # SGLang evicted the device copy (the host page stays)
+    assert not registry.waiting_in()
+    registry.loaded(["a"], _slots(80), PAGE)  # a later request loads it back
+    settled = registry.settle(context=torch.arange(64, 96), block=True)
+    assert [s.tolist() for s in settled.failed.values()] == [_slots(80).tolist()]
+    _heal(registry, _slots(80), settled.failed)
+    assert host.written[0][1].tolist() == [80.0, 81.0, 82.0, 83.0] * 2
+    assert registry.snapshot()["waiting_pages"] == 0
+
+
+def test_a_page_only_partly_recomputed_stays_failed(pending) -> None:
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    registry.loaded(["a"], _slots(40), PAGE)
+    exact.set_exception(StreamError("the store has no exact object"))
+    settled = registry.settle(context=_slots(40), block=True)
+    _heal(registry, _slots(40)[:2], settled.failed)  # a prefix ending inside the page
+    assert not host.written and registry.snapshot()["failed_pages_held"] == 1
+    assert registry.waiting_in(_slots(40))
+
+
+def test_freed_device_slots_never_receive_a_late_exact_page(pending) -> None:
+    registry, host = pending
+    exact: Future = Future()
+    registry.expect("a", 8, exact)
+    registry.loaded(["a"], _slots(40), PAGE)
+    registry.released(torch.arange(32, 48))  # freed, then reused for another request's KV
+    exact.set_result((_page(9.0), None))
+    settled = registry.settle(context=_slots(40), block=True)
+    assert not settled.writes and host.written[0][0] == 8
 
 
 def test_a_coarse_page_brings_its_pool_codes_for_the_device_slots(pending) -> None:
     registry, _ = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], torch.arange(40, 40 + PAGE), PAGE)
+    registry.loaded(["a"], _slots(40), PAGE)
     exact.set_result((_page(2.0), ["pool-level codes"]))
-    settled = registry.settle(block=False, failures=False)
+    settled = registry.settle(context=_slots(40), block=False, failures=False)
     (slots, codes), = settled.codes
     assert slots.tolist() == list(range(40, 40 + PAGE)) and codes == ["pool-level codes"]
 
@@ -162,17 +241,20 @@ def test_a_slow_link_drafts_on_the_coarse_level_a_fast_one_on_the_pool_level() -
     assert round(meter.mbit()) == 80
     meter.record(0.5, 1.0, 10_000_000)  # fetched beside the first: the link's rate doubles
     assert round(meter.mbit()) == 160
-    fast = DraftingPlan(4, deadline=10.0, meter=meter)
+    def still() -> float:  # no time passes while the plan decides
+        return 0.0
+
+    fast = DraftingPlan(4, deadline=10.0, meter=meter, clock=still)
     assert all(fast.refine(100_000, 60_000) for _ in range(4))
-    slow = DraftingPlan(4, deadline=0.004, meter=meter)
+    slow = DraftingPlan(4, deadline=0.004, meter=meter, clock=still)
     # 100 kB at 20 MB/s is 5 ms: no page's refinement fits, even the last's alone.
     assert not any(slow.refine(100_000, 100_000) for _ in range(4))
     assert (slow.pool_pages, slow.coarse_pages) == (0, 4)
     # 18 ms: the first page's refinement does not fit beside the three coarse parts still to
     # come (20 ms); the later ones do (15, 10, 5 ms).
-    mixed = DraftingPlan(4, deadline=0.018, meter=meter)
+    mixed = DraftingPlan(4, deadline=0.018, meter=meter, clock=still)
     assert [mixed.refine(100_000, 100_000) for _ in range(4)] == [False, True, True, True]
-    never = DraftingPlan(2, deadline=0.0, meter=meter)
+    never = DraftingPlan(2, deadline=0.0, meter=meter, clock=still)
     assert not never.refine(1, 1) and not never.refine(1, 0)  # one level: the pool's
     assert (never.pool_pages, never.coarse_pages) == (1, 1)
     assert not DraftingPlan(1, 10.0, LinkMeter()).refine(1, 1)  # nothing measured yet
@@ -274,6 +356,6 @@ def test_two_answers_of_one_page_each_keep_their_host_page(pending) -> None:
     host.free(torch.arange(16, 16 + PAGE))
     first.set_result((_page(3.0), None))
     second.set_result((_page(3.0), None))
-    registry.settle(block=False)
+    registry.settle(context=None, block=False)
     assert [index for index, _ in host.written] == [8]
     assert registry.snapshot()["waiting_pages"] == 0

@@ -22,10 +22,12 @@ from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
 from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import Compressor
 from vericache_sglang.compress.base import storage_bytes
+from vericache_sglang.config import get_config
+from vericache_sglang.stores.pending import PENDING
 from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
-from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
+from vericache_sglang.tiers.compressed_pool import CompressedPagePool, follow_frees, pool_pages
 from vericache_sglang.tiers.staging import StagingArea
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,10 @@ class RoundBackends:
             self.pool = CompressedPagePool(compressor, runner.token_to_kv_pool, num_pages=pages,
                                            windowed_layers=describe(runner.model).windowed)
             self.pool.follow(runner.token_to_kv_pool_allocator)
+            if get_config(server_args).vericache_early_drafting:
+                # A page waiting for its exact KV is never written where SGLang freed it.
+                follow_frees(runner.token_to_kv_pool_allocator, PENDING.released,
+                             PENDING.clear)
             if self.staging is not None:
                 self.pool.on_read = self.staging.record_direct
         RELOADED.accept(self.pool)  # a reloaded prefix's pages, decoded by the store

@@ -29,7 +29,6 @@ custom logit processor or logprobs wait at the barrier without drafting.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,8 +51,6 @@ from vericache_sglang.speculative.sampling import (
     sample_against_draft,
     softmax_probs,
 )
-
-logger = logging.getLogger(__name__)
 
 MAX_EARLY_DRAFTS = 256
 """Drafts a request makes at most before its exact KV arrives."""
@@ -260,11 +257,13 @@ class Stash:
         self._probs.clear()
 
 
-def recompute_prefixes(forwards: TargetForwards, batch, failed: list[torch.Tensor]) -> None:
-    """Some stored pages' exact KV will not come (a store fault): for each request of the
-    prefill `batch` whose prefix holds one of their device slots, recompute its prefix from
-    the first such page on, by one extend forward over the exact KV before it, written into
-    its slots. The prefill that follows then reads exact KV only."""
+def recompute_prefixes(forwards: TargetForwards, batch,
+                       failed: list[torch.Tensor]) -> torch.Tensor:
+    """Some stored pages' exact KV will not come (a store fault, `failed`: their device
+    slots, each inside the prefill `batch`'s prefixes): for each request whose prefix holds
+    one of them, recompute its prefix from the first such slot on, by one extend forward over
+    the exact KV before it, written into its slots. The prefill that follows then reads exact
+    KV only. Returns the slots recomputed."""
     bad = torch.cat(failed).to(torch.int64).unique()
     req_to_token = forwards.model_runner.req_to_token_pool.req_to_token
     rows, starts = [], []
@@ -274,11 +273,8 @@ def recompute_prefixes(forwards: TargetForwards, batch, failed: list[torch.Tenso
         if len(hit):
             rows.append(i)
             starts.append(int(hit[0]))
-    if len(bad) and not rows:
-        logger.error("VeriCache early drafting: %d device slots lost their exact KV outside "
-                     "a prefill's prefixes", len(bad))
     if not rows:
-        return
+        return torch.empty(0, dtype=torch.int64)
     device = batch.seq_lens.device
     ends = [batch.prefix_lens[i] for i in rows]
     pairs = list(zip(rows, starts, ends, strict=True))
@@ -292,3 +288,4 @@ def recompute_prefixes(forwards: TargetForwards, batch, failed: list[torch.Tenso
                               torch.tensor(starts, dtype=torch.int64, device=device), locs,
                               positions)
     forwards.logits(forwards.model_runner.attn_backend, fb)
+    return locs.cpu()

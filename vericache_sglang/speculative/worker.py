@@ -91,6 +91,7 @@ from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.link import LINK
 from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.stores.pending import PENDING, Settled
+from vericache_sglang.stores.reconnect import RECONNECTS
 from vericache_sglang.stores.reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,8 @@ class VeriCacheWorker(BaseSpecWorker):
             "disk_faults": store["faults"],
             "store_io": store["io"],
             "store_reads": ADMISSION.snapshot(),
+            "store_reconnects": {"attempts": RECONNECTS.attempts,
+                                 "failures": RECONNECTS.failures},
             "reloaded_pages": RELOADED.snapshot(),
             "early_drafting": {**PENDING.snapshot(), **stats.early_report(),
                                "store_link_mbit": LINK.mbit()},
@@ -272,40 +275,55 @@ class VeriCacheWorker(BaseSpecWorker):
     # -- a stored prefix whose exact KV is still arriving (speculative/early.py) --------------
     def _before_exact_kv(self, batch) -> EarlyDrafts | None:
         """Write the exact KV of stored pages that arrived into their host pages and device
-        slots. Before a forward reads a page still waiting, wait for it (the barrier): a
-        prefill that may drafts over the compressed tier meanwhile, and its drafts (per
-        request) are returned."""
+        slots. Before a forward reads a page still waiting (its context, `_context`), wait
+        for it (the barrier, bounded by `--vericache-store-timeout`): a prefill that may
+        drafts over the compressed tier meanwhile, and its drafts (per request) are returned.
+        Pages in the context whose exact KV cannot come are recomputed first."""
         if not PENDING.enabled:
             return None
+        context = self._context(batch) if PENDING.waiting_in() else None
         drafts = None
-        if PENDING.on_device():
+        if context is not None and PENDING.waiting_in(context):
             began = time.perf_counter()
-            if (batch.forward_mode.is_extend() and not PENDING.device_ready()
-                    and can_draft_early(batch, drafting_rows(
+            if (PENDING.arriving_in(context) and can_draft_early(batch, drafting_rows(
                         batch, self.model_runner.sampler,
                         get_exec().kernel.sampling_backend))):
                 drafts = draft_early(self.forwards, self.backends.draft, batch,
-                                     self._drafting_goes_on)
+                                     lambda: self._drafting_goes_on(context))
             drafting = time.perf_counter() - began
-            settled = PENDING.settle(block=True)
+            settled = PENDING.settle(context=context, block=True)
             logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
                         "KV, then %.2f s waiting for the exact KV of %d pages",
                         "no" if drafts is None else sum(map(len, drafts.tokens)), drafting,
                         settled.waited_seconds, len(settled.writes) + len(settled.failed))
         else:
-            settled = PENDING.settle(block=False)
+            settled = PENDING.settle(context=context, block=False)
         self._write_settled(settled)
         if settled.failed:
-            recompute_prefixes(self.forwards, batch, list(settled.failed.values()))
-            PENDING.heal(settled.failed, self._device_kv)
+            recomputed = recompute_prefixes(self.forwards, batch,
+                                            list(settled.failed.values()))
+            PENDING.heal(recomputed, settled.failed, self._device_kv)
         return drafts
 
-    def _drafting_goes_on(self) -> bool:
+    def _context(self, batch) -> torch.Tensor | None:
+        """The device slots `batch`'s forward reads as exact KV that a stored page may hold:
+        a prefill's cached prefixes. None for a decode: a running request's sequence never
+        holds a waiting page, since its prefill waited for (or recomputed) every page in its
+        prefix, and SGLang loads pages only into a prefill's prefix."""
+        if not batch.forward_mode.is_extend():
+            return None
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        rows = [req_to_token[req.kv.req_pool_idx, :n]
+                for req, n in zip(batch.reqs, batch.prefix_lens, strict=True)]
+        return torch.cat(rows).to(torch.int64) if rows else None
+
+    def _drafting_goes_on(self, context: torch.Tensor) -> bool:
         """Between early drafts: write the pages that arrived (their pool-level codes
-        replace coarse ones, so later drafts read them), and say whether any page on the
-        device still waits. Failed pages wait for the barrier, which recomputes them."""
-        self._write_settled(PENDING.settle(block=False, failures=False))
-        return not PENDING.device_ready()
+        replace coarse ones, so later drafts read them), and say whether any page in the
+        prefill's `context` still waits. Failed pages wait for the barrier, which recomputes
+        them."""
+        self._write_settled(PENDING.settle(context=context, block=False, failures=False))
+        return PENDING.arriving_in(context)
 
     def _write_settled(self, settled: Settled) -> None:
         """Write settled pages' exact KV into their device slots, and their pool-level codes

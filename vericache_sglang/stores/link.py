@@ -74,11 +74,13 @@ LINK = LinkMeter()
 class DraftingPlan:
     """One batch's drafting reads against the deadline (see the module docstring)."""
 
-    def __init__(self, pages: int, deadline: float, meter: LinkMeter = LINK) -> None:
+    def __init__(self, pages: int, deadline: float, meter: LinkMeter = LINK,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._lock = threading.Lock()
         self._meter = meter
         self._deadline = deadline
-        self._began = time.perf_counter()
+        self._clock = clock
+        self._began = clock()
         self._to_come = pages
         """Pages whose coarse object has not arrived."""
         self.pool_pages = self.coarse_pages = 0
@@ -93,7 +95,7 @@ class DraftingPlan:
                 self.pool_pages += 1
                 return False
             rate = self._meter.bytes_per_second()
-            left = self._deadline - (time.perf_counter() - self._began)
+            left = self._deadline - (self._clock() - self._began)
             need = refinement_bytes + self._to_come * coarse_bytes
             fetch = rate is not None and need / rate <= left
             if fetch:
@@ -106,6 +108,6 @@ class DraftingPlan:
         """The batch's choice, for the log."""
         return (f"drafting level of {self.pool_pages + self.coarse_pages} pages: "
                 f"{self.pool_pages} at the pool's bits, {self.coarse_pages} coarse, in "
-                f"{time.perf_counter() - self._began:.2f} s (deadline {self._deadline:g} s); "
+                f"{self._clock() - self._began:.2f} s (deadline {self._deadline:g} s); "
                 f"link {self._meter.mbit():.0f} Mbit/s "
                 "measured")

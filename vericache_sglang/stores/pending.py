@@ -10,14 +10,16 @@ loaded it into (`loaded`, from the load-back hook), and the future of its exact 
 
 The worker settles pages on the scheduler thread (`settle`): before every forward (and between
 early draft steps) it writes each arrived page's exact KV into its host page (first, so a
-host-to-device copy still queued carries it) and its device slots, waiting for the pages on the
-device before a forward that reads them; a page answered on the coarse level (`link.py`) brings
-its pool-level codes too, which replace the coarse ones in the compressed pool. Pages only in
-the host pool are written once their exact KV is there. A page whose exact part failed (store fault)
-stays here as poisoned: its device slots are handed back for the worker to recompute, and its
-host page, if SGLang loads it later, comes back the same way. A host page SGLang frees is
-forgotten here (`host_freed`, from a wrap of the host pool's `free`), so a late exact KV
-never lands in a page that now holds another prefix.
+host-to-device copy still queued carries it) and its device slots; a page answered on the
+coarse level (`link.py`) brings its pool-level codes too, which replace the coarse ones in the
+compressed pool. Only a prefill whose cached prefix holds a waiting page's device slots (the
+forward's context) waits for it, at most `--vericache-store-timeout` seconds; every other
+forward runs on. A page whose exact part failed (store fault, or past that deadline) is never
+promoted: its device slots and host page keep the drafting level, marked failed, until a
+prefill whose context holds them recomputes them (`early.recompute_prefixes`; its KV then heals
+the host page), or SGLang frees or reuses them. Device and host frees reach this registry
+(`released`, from the compressed pool's wrap of the allocator; `host_freed`, from a wrap of the
+host pool's `free`), so a late exact KV never lands in slots that now hold other KV.
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ class _Page:
     """The exact flat page (host layout) and the page's pool-level codes where it was answered
     on a coarser level (else None), or the error that stopped it."""
     device_slots: torch.Tensor | None = None
-    """Device slots SGLang loaded the page into, not yet written with the exact KV."""
+    """Device slots SGLang loaded the page into, still holding the drafting level (None once
+    they were written exact, or reused for other KV)."""
+    failed: bool = False
+    """Its exact part will not come (a store fault, or past the deadline): its device slots
+    and host page hold the drafting level until a prefill recomputes them."""
 
 
 @dataclass
 class Settled:
-    """What one settle did: device slots to write with exact KV, and device slots whose exact
-    KV cannot come (the worker recomputes them)."""
+    """What one settle did: device slots to write with exact KV, and device slots inside the
+    forward's context whose exact KV cannot come (the worker recomputes them)."""
 
     writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(slots [page], the page's exact KV [2, L, page, H, D])."""
@@ -61,7 +67,8 @@ class Settled:
     """(slots [page], pool-level codes per layer) of pages answered on a coarser level: they
     replace the coarse codes in the compressed pool (`stores/link.py`)."""
     failed: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Poisoned pages on the device, by entry: their slots, to recompute and then `heal`."""
+    """Failed pages inside the context, by entry: their slots, to recompute and then
+    `heal`."""
     waited_seconds: float = 0.0
 
 
@@ -69,7 +76,11 @@ class PendingExact:
     """This process's pages answered on their drafting level (see the module docstring).
 
     Entries are per answer, not per key: two prefetches of one prefix that raced both answer
-    into host pages of their own, and SGLang keeps one of them and frees the other."""
+    into host pages of their own, and SGLang keeps one of them and frees the other.
+
+    A forward names its context, the device slots it reads as exact KV (`context`): only the
+    pages there are waited for, recomputed or written, so a batch that reads none of them
+    (another request's decode or prefill) never waits on the store."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -80,17 +91,23 @@ class PendingExact:
         self.host_pool: Any = None
         self._kv_of: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.enabled = False
+        self.deadline = 30.0
+        """Seconds a forward waits for the exact KV of its context's pages; past it they
+        count as failed and are recomputed."""
         self.answered = self.settled = self.poisoned = self.recomputed = 0
+        self.timed_out = 0
         self.refined = 0
         """Compressed pool pages whose coarse codes the pool level's replaced (the worker)."""
         self.waited_seconds = 0.0
 
-    def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor],
+               deadline: float = 30.0) -> None:
         """Serve `host_pool`'s pages (`kv_of` views a flat page as [2, L, page, H, D]): learn
         when SGLang frees them (a wrap of its `free`, which every host free in SGLang 0.5.23
         ends in)."""
         self.host_pool = host_pool
         self._kv_of = kv_of
+        self.deadline = deadline
         free = host_pool.free
 
         def free_and_forget(indices: torch.Tensor) -> int:
@@ -109,6 +126,17 @@ class PendingExact:
             ids.discard(entry_id)
             if not ids:
                 del self._by_key[entry.key]
+
+    def _in(self, context: torch.Tensor | None) -> list[int]:
+        """Entries with device slots in `context` (every one on the device when None)."""
+        found = []
+        for entry_id, entry in self._pages.items():
+            slots = entry.device_slots
+            if slots is None:
+                continue
+            if context is None or bool(torch.isin(slots, context).any()):
+                found.append(entry_id)
+        return found
 
     # -- store threads ----------------------------------------------------------------------
     def expect(self, key: str, host_index: int, exact: Future) -> None:
@@ -142,54 +170,86 @@ class PendingExact:
                 if entry.device_slots is None:
                     self._drop(entry_id)
 
+    def released(self, slots: torch.Tensor) -> None:
+        """These device slots no longer hold the pages loaded there (SGLang freed them, or
+        loads other pages into them): nothing is written or recomputed there for them."""
+        if not self._pages:
+            return
+        slots = slots.reshape(-1).to(torch.int64).cpu()
+        with self._lock:
+            for entry_id in self._in(slots):
+                entry = self._pages[entry_id]
+                entry.device_slots = None
+                if entry.host_index is None:
+                    self._drop(entry_id)
+
     def loaded(self, keys: list[str], slots: torch.Tensor, page_size: int) -> None:
         """Pages `keys` were loaded into device `slots` (page after page)."""
         if not self._pages:
             return
+        self.released(slots)
         with self._lock:
             for i, key in enumerate(keys):
                 for entry_id in self._by_key.get(key, ()):
                     self._pages[entry_id].device_slots = (
-                        slots[i * page_size:(i + 1) * page_size].clone())
+                        slots[i * page_size:(i + 1) * page_size].to(torch.int64).clone())
 
-    def on_device(self) -> bool:
-        """Whether a page loaded onto the device still waits for its exact KV."""
+    def waiting_in(self, context: torch.Tensor | None = None) -> bool:
+        """Whether a page in `context` (anywhere on the device when None) still waits for
+        its exact KV or its recompute."""
         with self._lock:
-            return any(e.device_slots is not None for e in self._pages.values())
+            return any(self._pages[i].failed or not self._pages[i].exact.done()
+                       or self._pages[i].exact.exception() is not None
+                       for i in self._in(context))
 
-    def device_ready(self) -> bool:
-        """Whether every page loaded onto the device has its exact KV (or its fault)."""
+    def arriving_in(self, context: torch.Tensor) -> bool:
+        """Whether a page in `context` still waits for its exact KV to arrive."""
         with self._lock:
-            return all(e.exact.done() for e in self._pages.values()
-                       if e.device_slots is not None)
+            return any(not self._pages[i].exact.done() and not self._pages[i].failed
+                       for i in self._in(context))
 
-    def settle(self, *, block: bool, failures: bool = True) -> Settled:
+    def settle(self, *, context: torch.Tensor | None, block: bool,
+               failures: bool = True) -> Settled:
         """Write every arrived exact page into its host page, and hand back its device writes;
-        with `block`, first wait for the exact KV of every page on the device. Without
-        `failures`, failed pages stay here for a later settle (drafting is under way)."""
+        with `block`, first wait (up to the deadline) for the exact KV of every page in
+        `context`, the device slots the coming forward reads (None: none). Failed pages in
+        `context` come back for recompute (without `failures` they stay for a later settle:
+        drafting is under way)."""
         result = Settled()
+        context = None if context is None else context.reshape(-1).to(torch.int64).cpu()
+        if context is not None and block:
+            with self._lock:
+                waiting = {i: self._pages[i].exact for i in self._in(context)
+                           if not self._pages[i].exact.done() and not self._pages[i].failed}
+            if waiting:
+                began = time.perf_counter()
+                _, late = wait_all(waiting.values(), timeout=self.deadline)
+                result.waited_seconds = time.perf_counter() - began
+                self.waited_seconds += result.waited_seconds
+                with self._lock:
+                    for entry_id, future in waiting.items():
+                        entry = self._pages.get(entry_id)
+                        if future in late and entry is not None:
+                            entry.failed = True
+                            self.timed_out += 1
+                if late:
+                    logger.warning("VeriCache store: %d pages' exact KV did not come within "
+                                   "%.0f s (--vericache-store-timeout); their prefix is "
+                                   "recomputed", len(late), self.deadline)
         with self._lock:
-            device = [e.exact for e in self._pages.values() if e.device_slots is not None]
-        if block and device:
-            began = time.perf_counter()
-            wait_all(device)
-            result.waited_seconds = time.perf_counter() - began
-            self.waited_seconds += result.waited_seconds
-        with self._lock:
+            inside = set() if context is None else set(self._in(context))
             for entry_id, entry in list(self._pages.items()):
-                if not entry.exact.done():
-                    continue
-                if entry.exact.exception() is not None:
-                    if not failures:
-                        continue
-                    # Poisoned: the lossy host page stays until SGLang frees it, and comes
-                    # back here for recompute wherever it is loaded.
-                    if entry.device_slots is not None:
-                        result.failed[entry_id] = entry.device_slots
-                        entry.device_slots = None
-                        self.recomputed += 1
-                    if entry.host_index is None:
+                if entry.failed or (entry.exact.done() and entry.exact.exception()):
+                    # Poisoned: its host and device copies keep the drafting level until a
+                    # prefill whose context holds them recomputes them; SGLang frees or
+                    # reuses them before that, or never reads them again.
+                    entry.failed = True
+                    if entry.device_slots is None and entry.host_index is None:
                         self._drop(entry_id)
+                    elif failures and entry_id in inside:
+                        result.failed[entry_id] = entry.device_slots
+                    continue
+                if not entry.exact.done():
                     continue
                 flat, codes = entry.exact.result()
                 if entry.host_index is not None:
@@ -202,21 +262,24 @@ class PendingExact:
                 self.settled += 1
         return result
 
-    def heal(self, failed: dict[int, torch.Tensor],
+    def heal(self, recomputed: torch.Tensor, failed: dict[int, torch.Tensor],
              device_kv: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """The worker recomputed these poisoned pages' device slots: copy their KV
-        (`device_kv(slots)`, [2, L, page, H, D]) into the host pages still holding the lossy
-        level, and forget them."""
+        """The worker recomputed the device slots `recomputed`: each failed page whose slots
+        are all among them now holds exact KV there; copy it (`device_kv(slots)`,
+        [2, L, page, H, D]) into the host page still holding the drafting level, and forget
+        the page. A page only partly recomputed stays failed for a later prefill."""
+        recomputed = recomputed.reshape(-1).to(torch.int64).cpu()
         with self._lock:
             for entry_id, slots in failed.items():
                 entry = self._pages.get(entry_id)
-                if entry is None:
+                if entry is None or not bool(torch.isin(slots, recomputed).all()):
                     continue
                 if entry.host_index is not None:
                     flat = self.host_pool.get_dummy_flat_data_page()
                     self._kv_of(flat).copy_(device_kv(slots))
                     self.host_pool.set_from_flat_data_page(entry.host_index, flat)
                 self._drop(entry_id)
+                self.recomputed += 1
 
     def clear(self) -> None:
         """SGLang flushed its caches: nothing loaded or held refers to these pages now."""
@@ -228,11 +291,12 @@ class PendingExact:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             waiting = len(self._pages)
+            failed = sum(entry.failed for entry in self._pages.values())
         return {"answered_on_drafting_level": self.answered, "settled": self.settled,
-                "exact_failed": self.poisoned, "recomputed_pages": self.recomputed,
-                "waiting_pages": waiting, "barrier_wait_seconds": self.waited_seconds,
+                "exact_failed": self.poisoned, "exact_timed_out": self.timed_out,
+                "recomputed_pages": self.recomputed, "waiting_pages": waiting,
+                "failed_pages_held": failed, "barrier_wait_seconds": self.waited_seconds,
                 "refined_pool_pages": self.refined}
-
 
 PENDING = PendingExact()
 

@@ -151,10 +151,8 @@ class CompressedPagePool:
         slots: the same bits, without reading the full KV. Groups a page already holds are
         left out, or with `replace` overwritten (a coarse level's codes giving way to the pool
         level's, `stores/link.py`); groups past a full pool are left out. Returns the pages
-        written."""
-        if (len(tiers) != len(self.bits) or slots.numel() % self.group
-                or any(t.bits != b or len(t) != slots.numel() for t, b in zip(
-                    tiers, self.bits, strict=True))):
+        written. Raises ValueError for codes that do not fit (`fits`)."""
+        if not self.fits(slots, tiers):
             raise ValueError("codes of another geometry than this pool's pages")
         groups = slots.reshape(-1, self.group)
         keys = self._keys(groups)
@@ -175,6 +173,18 @@ class CompressedPagePool:
                      for t in tiers])
         self.installed_pages += len(new)
         return len(pages)
+
+    def fits(self, slots: torch.Tensor, tiers: list[QuantTier]) -> bool:
+        """Whether `tiers` are codes of this pool's pages for the tokens at `slots` (whole
+        groups): one tier per layer, of the layer's bits, key group, heads and head size."""
+        tokens = slots.numel()
+        if len(tiers) != len(self.bits) or tokens % self.group:
+            return False
+        return all(t.bits == bits and len(t) == tokens
+                   and t.k_codes.shape == (tokens // self.group, *k_codes.shape[1:])
+                   and t.v_codes.shape == (tokens, *v_codes.shape[2:])
+                   for t, bits, k_codes, v_codes in zip(tiers, self.bits, self.k_codes,
+                                                        self.v_codes, strict=True))
 
     def layer(self, layer_id: int, page_table: torch.Tensor,
               lengths: torch.Tensor) -> kernels.PagedKV:
@@ -198,40 +208,8 @@ class CompressedPagePool:
         self.page_slots[hit] = -1
 
     def follow(self, allocator) -> None:
-        """Free pages with the full-pool slots they were made from: wrap the SGLang allocator
-        instance's `free` (which `free_group_end` calls too) and `clear`, and with pages of more
-        than one slot its `free_page_ids` too: a paged allocator's `free_segment` (a finished
-        request's row, a tree node's eviction) and its free groups release pages through it
-        without calling `free`. A paged allocator frees the whole page of any slot it is given,
-        so every slot of those pages counts as freed."""
-        free, clear = allocator.free, allocator.clear
-        page_size = getattr(allocator, "page_size", 1)
-
-        def slots_of_pages(page_ids: torch.Tensor) -> torch.Tensor:
-            offsets = torch.arange(page_size, device=page_ids.device)
-            return (page_ids.to(torch.int64)[:, None] * page_size + offsets).flatten()
-
-        def free_both(free_index: torch.Tensor) -> None:
-            if allocator.free_group is None:  # a group's frees come back here at its end
-                self.free_slots(free_index if page_size == 1 else
-                                slots_of_pages(torch.unique(free_index // page_size)))
-            free(free_index)
-
-        def clear_both() -> None:
-            self.clear()
-            clear()
-
-        allocator.free, allocator.clear = free_both, clear_both
-        if page_size > 1:
-            free_page_ids = allocator.free_page_ids
-
-            def free_pages_both(page_ids: torch.Tensor) -> None:
-                # In a free group the ids wait for `free_group_end`, which releases them
-                # without coming back here: their slots are the owner's no more either way.
-                self.free_slots(slots_of_pages(page_ids))
-                free_page_ids(page_ids)
-
-            allocator.free_page_ids = free_pages_both
+        """Free pages with the full-pool slots they were made from (`follow_frees`)."""
+        follow_frees(allocator, self.free_slots, self.clear)
 
     def clear(self) -> None:
         """Free every page (the allocator was reset)."""
@@ -321,3 +299,41 @@ def pool_pages(compressor: KiviQuantizer, max_total_tokens: int) -> int:
     """Pages for a full KV pool of `max_total_tokens` slots (see `SPLIT_PAGE_SHARE`)."""
     groups = -(-max_total_tokens // compressor.plan(0).group)
     return math.ceil(groups * (1 + SPLIT_PAGE_SHARE))
+
+
+def follow_frees(allocator, freed: Callable[[torch.Tensor], None],
+                 cleared: Callable[[], None]) -> None:
+    """Call `freed(slots)` for every device slot SGLang's `allocator` frees, and `cleared()`
+    when it is reset: wrap the allocator instance's `free` (which `free_group_end` calls too)
+    and `clear`, and with pages of more than one slot its `free_page_ids` too: a paged
+    allocator's `free_segment` (a finished request's row, a tree node's eviction) and its free
+    groups release pages through it without calling `free`. A paged allocator frees the whole
+    page of any slot it is given, so every slot of those pages counts as freed."""
+    free, clear = allocator.free, allocator.clear
+    page_size = getattr(allocator, "page_size", 1)
+
+    def slots_of_pages(page_ids: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(page_size, device=page_ids.device)
+        return (page_ids.to(torch.int64)[:, None] * page_size + offsets).flatten()
+
+    def free_both(free_index: torch.Tensor) -> None:
+        if allocator.free_group is None:  # a group's frees come back here at its end
+            freed(free_index if page_size == 1 else
+                  slots_of_pages(torch.unique(free_index // page_size)))
+        free(free_index)
+
+    def clear_both() -> None:
+        cleared()
+        clear()
+
+    allocator.free, allocator.clear = free_both, clear_both
+    if page_size > 1:
+        free_page_ids = allocator.free_page_ids
+
+        def free_pages_both(page_ids: torch.Tensor) -> None:
+            # In a free group the ids wait for `free_group_end`, which releases them
+            # without coming back here: their slots are the owner's no more either way.
+            freed(slots_of_pages(page_ids))
+            free_page_ids(page_ids)
+
+        allocator.free_page_ids = free_pages_both
