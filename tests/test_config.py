@@ -40,6 +40,7 @@ def test_defaults_without_flags():
     assert config.vericache_full_tier == "auto"
     assert config.vericache_draft_length == 16
     assert config.vericache_max_draft_length == 64
+    assert config.vericache_store_timeout == 30.0
 
 
 def test_cli_strings_are_converted():
@@ -90,6 +91,13 @@ def test_size_parsing_for_budgets():
     ({"vericache_compressor": "zip:level=3"}, "--vericache-compressor: .*zip"),
     ({"vericache_store_codec_processes": -1},
      "--vericache-store-codec-processes must be 0 .one per CPU core. or more, got -1"),
+    ({"vericache_store_timeout": 0},
+     "--vericache-store-timeout must be a positive number of seconds, got 0"),
+    ({"vericache_store_timeout": "-5"},
+     "--vericache-store-timeout must be a positive number of seconds, got -5"),
+    ({"vericache_store_timeout": "inf"},
+     "--vericache-store-timeout must be a positive number of seconds, got inf"),
+    ({"vericache_store_timeout": "soon"}, "--vericache-store-timeout: 'soon' is not a number"),
     ({"vericache_drafter": "eagle"}, "--vericache-drafter must be one of auto, none, ngram, model"),
     ({"vericache_drafter": "model"}, "--vericache-drafter model needs --vericache-draft-model"),
     ({"vericache_draft_model": "/nonexistent/draft"}, "/nonexistent/draft is not a model dir"),

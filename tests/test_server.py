@@ -103,6 +103,7 @@ def test_server_info_reports_vericache_settings(vericache_server):
         "vericache_staging_budget": None,
         "vericache_store_reads": "always",
         "vericache_store_codec_processes": 0,  # one per core, at most 4
+        "vericache_store_timeout": 30.0,
         "vericache_early_drafting": False,
         "vericache_drafting_deadline": 1.0,
     }

@@ -194,6 +194,16 @@ class VeriCacheConfig:
             "costs about 0.3 GB of private host memory and no device memory.",
         },
     )
+    vericache_store_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a KV store's page may wait on a codec process "
+            "(--vericache-store-codec-processes) that makes no progress taking the page or "
+            "answering. Past it the process is killed and replaced, and the page counts as "
+            "failed (vericache:disk_faults kind timeout): its prefix is recomputed, with the "
+            "same output.",
+        },
+    )
 
     vericache_early_drafting: bool = field(
         default=False,
@@ -266,6 +276,10 @@ class VeriCacheConfig:
             raise VeriCacheConfigError(
                 "--vericache-store-codec-processes must be 0 (one per CPU core) or more, got "
                 f"{self.vericache_store_codec_processes}")
+        if not 0 < self.vericache_store_timeout < float("inf"):
+            raise VeriCacheConfigError(
+                "--vericache-store-timeout must be a positive number of seconds, got "
+                f"{self.vericache_store_timeout}")
         if not self.vericache_drafting_deadline >= 0:
             raise VeriCacheConfigError(
                 "--vericache-drafting-deadline must be 0 or more seconds, got "

@@ -1,20 +1,23 @@
 """A store's pages are coded in a child process (`stores/codec_worker.py`), on real demo-model
 KV: the same bytes and bits as coding in the calling thread, a damaged stream's error raised to
-the caller, and a child killed between pages loses nothing (the page is coded in the caller, a
-new child takes the next)."""
+the caller, a child killed between pages loses nothing (the page is coded in the caller, a
+new child takes the next), and a child that stops answering is killed and replaced, its page
+failing with `CodecTimeout` once the pool's deadline passes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.stores.test_file_store import _flat_page, _host_pool
 from vericache_sglang.codec import StreamError, decode_chunk
-from vericache_sglang.stores.codec_worker import CODEC_WORKER
+from vericache_sglang.stores.codec_worker import CODEC_WORKER, CodecPool, CodecTimeout
 from vericache_sglang.stores.pages import PageCoder
 
 
@@ -77,6 +80,40 @@ def test_a_killed_child_loses_no_page(page):
     coder.decode(blob, "page-key", target)  # by a new child
     assert _same(target, flat)
     assert CODEC_WORKER.pids()[0] not in (first, os.getpid())
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"
+
+
+@pytest.mark.parametrize("page", [torch.float32], ids=["float32"], indirect=True)
+@pytest.mark.parametrize("length", [None, 100], ids=["whole page", "a few bytes"])
+def test_a_child_that_stops_answering_is_killed_and_replaced(page, length):
+    """SIGSTOP the child, then give it a page: the whole stream, more than the pipe's buffer
+    holds (the send waits), or its first bytes (the send completes, the answer never comes).
+    Past the pool's deadline the call raises `CodecTimeout`, the stopped child is killed and
+    reaped, and a new child decodes the next page."""
+    coder, blob, _ = page
+    pool = CodecPool(1)
+    (stopped,) = pool.pids()
+    pool.timeout = 1.0  # applied to the running child's pipe
+    os.kill(stopped, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while not _stopped(stopped):
+        assert time.monotonic() < deadline, "SIGSTOP did not stop the child"
+        time.sleep(0.01)
+    with pytest.raises(CodecTimeout, match=f"codec process {stopped} did not answer within 1 s"):
+        pool.decode(coder, blob[:length], "page-key")
+    with pytest.raises(ChildProcessError):  # reaped: no longer a child of this process
+        os.waitpid(stopped, os.WNOHANG)
+    assert pool.restarts == 1
+    pool.timeout = 60.0  # the new child's imports count toward its first page's wait
+    keys, values, _ = pool.decode(coder, blob, "page-key")
+    assert pool.pids() != [stopped]
+    here = coder.decode_page(blob, "page-key")
+    assert _same(keys, here[0]) and _same(values, here[1])
 
 
 def test_pages_are_coded_side_by_side_in_separate_children(page):

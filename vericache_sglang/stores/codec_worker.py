@@ -12,7 +12,11 @@ as bytes; it exits when the pipe closes, with its parent. Several children code 
 side by side (`CodecPool`, `--vericache-store-codec-processes`): one page's stream is a serial
 chain of entropy-decoding calls, so pages, not a page's parts, are what runs in parallel. If a
 child dies, its page is coded in the calling thread and a new child started for the next:
-slower, never lost.
+slower, never lost. A child that stops answering (stopped, swapped out, stuck) would hold the
+store's read, and with early drafting the scheduler, for ever: every wait on a child has a
+deadline (`--vericache-store-timeout`), past which the child is killed and replaced and the
+page fails with `CodecTimeout` (its prefix is recomputed; the page is not coded in the calling
+thread, where whatever held the child could hold the store's thread too).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import logging
 import multiprocessing
 import os
 import queue
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 
 from vericache_sglang.compress.quant import QuantTier
+from vericache_sglang.config import VeriCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +105,73 @@ class _ChildGone(RuntimeError):
     """The child died before answering."""
 
 
+class CodecTimeout(RuntimeError):
+    """A codec child did not answer within the deadline (`--vericache-store-timeout`); it was
+    killed, and a new one codes the next page. Not a `StreamError`: nothing is known to be wrong
+    with the stored page, so it is a failed read (its prefix recomputes), never a reason to
+    delete the page."""
+
+
+def _limit(conn: Connection, seconds: float) -> None:
+    """Bound each read and write on `conn` to `seconds` without progress: a duplex pipe is a
+    Unix socket pair, and past its SO_RCVTIMEO or SO_SNDTIMEO a call raises `BlockingIOError`.
+    This holds wherever the child stops: before it takes the whole page (larger than the
+    socket's buffer), while it codes, or midway through its answer. A new child's start (its
+    imports, a second or two) counts toward its first page's wait."""
+    timeval = struct.pack("ll", *divmod(max(1, round(seconds * 1e6)), 1_000_000))
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            sock.setsockopt(socket.SOL_SOCKET, option, timeval)
+    finally:
+        sock.detach()
+
+
 class CodecWorker:
     """One child process that codes pages, over a pipe: each page is one send and one receive,
     which wait without the GIL (an executor's feeder and result threads would each need it, and
     wait for it beside a busy scheduler)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
         self._lock = threading.Lock()
         self._conn: Connection | None = None
         self._child: subprocess.Popen | None = None
+        self._timeout = timeout
         self.restarts = 0
+
+    def set_timeout(self, seconds: float) -> None:
+        """Let each wait on the child go `seconds` without progress (`_limit`)."""
+        with self._lock:
+            self._timeout = seconds
+            if self._conn is not None:
+                _limit(self._conn, seconds)
 
     def _connection(self) -> Connection:
         if self._conn is None:
             # `python -m` this module, not multiprocessing's spawn: a spawned child re-imports
             # the parent's main module (SGLang's launcher: 0.3 GB more of imports)
-            self._conn, child_conn = multiprocessing.Pipe()
+            conn, child_conn = multiprocessing.Pipe()
             fd = child_conn.fileno()
-            self._child = subprocess.Popen([sys.executable, "-m", __name__, str(fd)],
-                                           pass_fds=(fd,))
-            child_conn.close()
+            try:
+                self._child = subprocess.Popen([sys.executable, "-m", __name__, str(fd)],
+                                               pass_fds=(fd,))
+            finally:
+                child_conn.close()
+            _limit(conn, self._timeout)
+            self._conn = conn
         return self._conn
+
+    def _end_child(self) -> int | None:
+        """Kill the child if it still runs, reap it and close its pipe, so that the next call
+        starts a new one; its process id (None when none had started)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return None
+        conn.close()
+        self._child.kill()
+        self._child.wait()
+        self.restarts += 1
+        return self._child.pid
 
     def start(self) -> None:
         """Spawn the child now (its imports take a second or two, the first page's wait)."""
@@ -127,15 +180,23 @@ class CodecWorker:
 
     def _run(self, job: Callable[..., Any], *args: Any) -> Any:
         """`job(*args)` in the child. An exception the job raises (a `StreamError`) is raised
-        here; `_ChildGone` if the child died, after which the next call starts a new one."""
+        here; `_ChildGone` if the child died, `CodecTimeout` if it stopped answering (it is
+        killed); either way the next call starts a new one."""
         with self._lock:
             try:
                 conn = self._connection()
                 conn.send((job, args))
                 ok, result = conn.recv()
+            except BlockingIOError:  # the deadline passed (`_limit`)
+                pid = self._end_child()
+                logger.warning("VeriCache: page codec process %d made no progress for %g s "
+                               "(--vericache-store-timeout): killed; this page fails (its "
+                               "prefix is recomputed) and a new process codes the next",
+                               pid, self._timeout)
+                raise CodecTimeout(f"codec process {pid} did not answer within "
+                                   f"{self._timeout:g} s") from None
             except (EOFError, OSError):
-                self._conn = None
-                self.restarts += 1
+                self._end_child()
                 logger.warning("VeriCache: the page codec process died; this page is coded in "
                                "the store's thread and a new process started for the next")
                 raise _ChildGone from None
@@ -176,11 +237,25 @@ class CodecPool:
         self._lock = threading.Lock()
         self._workers: list[CodecWorker] = []
         self._idle: queue.SimpleQueue[CodecWorker] = queue.SimpleQueue()
+        self._timeout = VeriCacheConfig.vericache_store_timeout
         self.resize(size)
 
     @property
     def size(self) -> int:
         return len(self._workers)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a wait on a child may go without progress before the child is killed and
+        the page fails with `CodecTimeout` (`--vericache-store-timeout`)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        with self._lock:
+            self._timeout = seconds
+            for worker in self._workers:
+                worker.set_timeout(seconds)
 
     def resize(self, size: int) -> None:
         """Have `size` children (0: one per CPU core, at most 4). Children beyond the size are
@@ -188,7 +263,7 @@ class CodecPool:
         size = size or min(4, os.cpu_count() or 1)
         with self._lock:
             while len(self._workers) < size:
-                worker = CodecWorker()
+                worker = CodecWorker(self._timeout)
                 self._workers.append(worker)
                 self._idle.put(worker)
             del self._workers[size:]

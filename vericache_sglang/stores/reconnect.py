@@ -8,8 +8,14 @@ write, counts each call as an `unavailable` fault (`/metrics`, `/server_info`), 
 build the real backend again at most every `VERICACHE_STORE_RETRY_SECONDS` (default 30 s), in a
 thread of its own: a store client may retry for a long time (Mooncake's setup tries 20 times,
 about 90 s) and SGLang's prefetch and backup threads must not wait for it. Each attempt first
-asks whether the store answers at all (`reachable`, a quick probe). Once built, the host pools
-SGLang registered are handed to the backend and every call goes to it.
+asks whether the store answers at all (`reachable`, a quick probe); each that fails is logged at
+WARNING and counted (`RECONNECTS`, `vericache:store_reconnect_failures`). Once built, the host
+pools SGLang registered are handed to the backend and every call goes to it.
+
+Only an outage is retried. A build that fails while the store answers, with an error that is
+not one a client raises for a store it cannot reach or set up (`OUTAGES`), is a configuration
+the client refuses or a bug, which no retry mends: at startup the server stops with one line
+naming the store and the cause; on a later attempt it is logged at ERROR and the attempts end.
 """
 
 from __future__ import annotations
@@ -24,12 +30,46 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
+from vericache_sglang import startup
+
 from .pages import STORE_STATS
 
 logger = logging.getLogger(__name__)
 
 RETRY_ENV = "VERICACHE_STORE_RETRY_SECONDS"
 DEFAULT_RETRY_SECONDS = 30.0
+
+OUTAGES = (ConnectionError, TimeoutError, RuntimeError)
+"""What a store client raises when it cannot reach or set up the store. Mooncake's constructor
+raises `RuntimeError` when its `setup` returns an error code (the master or the metadata server
+not answering: "Failed to setup Mooncake store, error code: -1") or its warmup put fails (no
+segment takes it). Any other exception (`ValueError`, `TypeError`, `KeyError`, `ImportError`,
+...) is the server's own unless the store stopped answering its probe meanwhile."""
+NOT_OUTAGES = (NotImplementedError, RecursionError)
+"""Runtime errors of code, never of a store."""
+
+
+class StoreUnusable(Exception):
+    """A store's backend cannot be built while the store answers; the message is one line that
+    names the store and the cause."""
+
+
+class ReconnectStats:
+    """This process's attempts to reach a store that was unreachable, and how many failed
+    (`/metrics`: vericache:store_reconnect_attempts and _failures)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.attempts = 0
+        self.failures = 0
+
+    def record(self, failed: bool) -> None:
+        with self._lock:
+            self.attempts += 1
+            self.failures += failed
+
+
+RECONNECTS = ReconnectStats()
 
 
 def retry_seconds() -> float:
@@ -44,17 +84,39 @@ def retry_seconds() -> float:
     return seconds
 
 
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _attempt(name: str, build: Callable[[], HiCacheStorage],
+             reachable: Callable[[], str | None]) -> tuple[HiCacheStorage | None, str]:
+    """Probe, then build: the backend, or None and why the store cannot be reached. Raises
+    `StoreUnusable` when the build fails and neither the error nor the probe says outage."""
+    why = reachable()
+    if why is not None:
+        return None, why
+    try:
+        return build(), ""
+    except Exception as error:  # noqa: BLE001 - sorted below: an outage, or the server's own
+        if isinstance(error, OUTAGES) and not isinstance(error, NOT_OUTAGES):
+            return None, _one_line(error)
+        why = reachable()
+        if why is None:
+            raise StoreUnusable(f"the {name} store (--hicache-storage-backend {name}) cannot "
+                                f"be used: {_one_line(error)}") from error
+        return None, f"{why} ({_one_line(error)})"
+
+
 def build_or_reconnect(name: str, build: Callable[[], HiCacheStorage],
                        reachable: Callable[[], str | None]) -> HiCacheStorage:
     """`build()`, or a `ReconnectingStore` retrying it when the store cannot be reached.
-    `reachable()` is a quick probe: None when the store answers, else why not."""
-    why = reachable()
-    if why is None:
-        try:
-            return build()
-        except Exception as error:  # noqa: BLE001 - any failure to reach the store is the same
-            why = str(error)
-    return ReconnectingStore(name, build, reachable, why)
+    `reachable()` is a quick probe: None when the store answers, else why not. Runs in the
+    scheduler while it starts: a build that no retry mends stops the server with one line."""
+    try:
+        backend, why = _attempt(name, build, reachable)
+    except StoreUnusable as error:
+        raise startup.scheduler_error(str(error)) from None
+    return backend if backend is not None else ReconnectingStore(name, build, reachable, why)
 
 
 class ReconnectingStore(HiCacheStorage):
@@ -69,6 +131,8 @@ class ReconnectingStore(HiCacheStorage):
         self._lock = threading.Lock()
         self._backend: HiCacheStorage | None = None
         self._attempt: threading.Thread | None = None
+        self._unusable = False
+        """Set when an attempt built nothing while the store answered: no retry mends it."""
         self._last_try = time.monotonic()
         self._pools: list[tuple[str | None, Any]] = []
         self._pools_done = False
@@ -82,7 +146,7 @@ class ReconnectingStore(HiCacheStorage):
         with self._lock:
             backend = self._backend
             idle = self._attempt is None or not self._attempt.is_alive()
-            if (backend is None and idle
+            if (backend is None and idle and not self._unusable
                     and time.monotonic() - self._last_try >= self._interval):
                 self._attempt = threading.Thread(target=self._try_build, daemon=True,
                                                  name=f"vericache-{self.name}-reconnect")
@@ -92,28 +156,37 @@ class ReconnectingStore(HiCacheStorage):
         return backend
 
     def _try_build(self) -> None:
-        """One attempt, in its own thread: probe, build, hand over the host pools."""
+        """One attempt, in its own thread: probe, build, hand over the host pools (counted in
+        `RECONNECTS`)."""
         try:
-            why = self._reachable()
-            if why is not None:
-                logger.debug("VeriCache: the %s store is still unreachable: %s", self.name, why)
-                return
-            backend = self._build()
-            for name, pool in self._pools:
-                if name is None:
-                    backend.register_mem_pool_host(pool)
-                else:
-                    backend.register_mem_host_pool_v2(pool, name)
-            if self._pools_done:
-                backend.on_host_pools_registered()
-        except Exception as error:  # noqa: BLE001 - still unreachable
-            logger.debug("VeriCache: the %s store is still unreachable: %s", self.name, error)
-        else:
-            with self._lock:
-                self._backend = backend
-            logger.info("VeriCache: the %s store is reachable again", self.name)
+            backend, why = _attempt(self.name, self._build_with_pools, self._reachable)
+        except StoreUnusable as error:
+            RECONNECTS.record(failed=True)
+            self._unusable = True
+            logger.error("VeriCache: %s; serving without it until the server restarts", error)
+            return
         finally:
             self._last_try = time.monotonic()
+        RECONNECTS.record(failed=backend is None)
+        if backend is None:
+            logger.warning("VeriCache: the %s store is still unreachable (%s); next attempt in "
+                           "%g s", self.name, why, self._interval)
+            return
+        with self._lock:
+            self._backend = backend
+        logger.info("VeriCache: the %s store is reachable again", self.name)
+
+    def _build_with_pools(self) -> HiCacheStorage:
+        """The backend, holding the host pools SGLang registered with this stand-in."""
+        backend = self._build()
+        for name, pool in self._pools:
+            if name is None:
+                backend.register_mem_pool_host(pool)
+            else:
+                backend.register_mem_host_pool_v2(pool, name)
+        if self._pools_done:
+            backend.on_host_pools_registered()
+        return backend
 
     # -- registration: recorded, replayed on the backend once it is built -----------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
