@@ -94,8 +94,9 @@ class VeriCacheMetrics:
 
         self.disk_faults = Counter(
             "vericache:disk_faults", "Stored pages that could not be used (kind: missing, "
-            "short, corrupt, read_error, write_error); each made its prefix recompute from "
-            "that page on.", labelnames=[*labels.keys(), "kind"])
+            "short, corrupt (removed from the store), foreign (another configuration's page, "
+            "left in place), read_error, write_error, unavailable); each made its prefix "
+            "recompute from that page on.", labelnames=[*labels.keys(), "kind"])
         self.store_bytes = Counter(
             "vericache:store_bytes", "Bytes written to and read from the KV store (direction: "
             "written, read; form: coded CacheGen streams, raw pages, or kv: the host pool's "
@@ -113,6 +114,10 @@ class VeriCacheMetrics:
         self.reloaded_pages_installed = counter(
             "reloaded_pages_installed", "Compressed pool pages of reloaded prefixes taken from "
             "their stored streams' pool level instead of quantized from the full KV.")
+        self.reloaded_pages_skipped = counter(
+            "reloaded_pages_skipped", "Stored pages read whose codes were not the compressed "
+            "pool's pages (another compressor's stream, or another geometry): quantized from "
+            "their full KV instead.")
         self.early_drafts = counter(
             "early_drafts", "Tokens drafted over the compressed KV of a stored prefix before "
             "its exact KV had arrived (--vericache-early-drafting).")
@@ -123,22 +128,39 @@ class VeriCacheMetrics:
             "an early-drafting read received (the bytes of the last 32 over the time any of "
             "them was in flight); it picks each page's drafting level.",
             labelnames=labels.keys(), multiprocess_mode="mostrecent").labels(**labels)
+        self.store_reconnect_attempts = counter(
+            "store_reconnect_attempts", "Attempts to reach a KV store that could not be "
+            "reached when the server started (one every VERICACHE_STORE_RETRY_SECONDS).")
+        self.store_read_probes = counter(
+            "store_read_probes", "Stored prefixes read although reading was measured slower, "
+            "to measure the link again (--vericache-store-reads auto).")
+        self.early_exact_failed = counter(
+            "early_exact_failed", "Stored pages answered on their drafting level whose exact "
+            "part did not come (a store fault, or an earlier page's in the same read).")
+        self.early_exact_timed_out = counter(
+            "early_exact_timed_out", "Of the pages a prefill waited for, those whose exact "
+            "part missed --vericache-store-timeout (counted as failed and recomputed).")
+        self.early_pages_recomputed = counter(
+            "early_pages_recomputed", "Pages whose exact part failed, recomputed by the "
+            "prefill that read them (never served from their drafting level).")
+        self.store_reconnect_failures = counter(
+            "store_reconnect_failures", "Of those, attempts that failed (each logged at "
+            "WARNING; the store serves misses meanwhile).")
         self._store_seen: dict[str, float] = {}
 
-    def record_store(self, snapshot: dict, declined_pages: int = 0,
-                     installed_pages: int = 0, link_mbit: float = 0.0) -> None:
+    def record_store(self, snapshot: dict, totals: dict[str, int],
+                     link_mbit: float = 0.0) -> None:
         """Bring the store counters up to the storage backend's running counts
-        (`stores.pages.StoreStats.snapshot`, `stores.admission.ADMISSION`'s declined pages,
-        `stores.reloaded.RELOADED`'s installed pages, `stores.link.LINK`'s rate)."""
+        (`stores.pages.StoreStats.snapshot`) and `totals`, running counts by the name of
+        their counter (`store_reads_declined`, `reloaded_pages_installed`, ...: see
+        `speculative.statistics`), and set the link's measured rate."""
         if link_mbit:
             self.store_link_mbit.set(link_mbit)
-        for name, total, counter in (
-                ("declined", declined_pages, self.store_reads_declined),
-                ("installed", installed_pages, self.reloaded_pages_installed)):
+        for name, total in totals.items():
             step = total - self._store_seen.get(name, 0)
             if step > 0:
                 self._store_seen[name] = total
-                counter.inc(step)
+                getattr(self, name).inc(step)
         running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
         running.update(snapshot["io"])
         for name, total in running.items():

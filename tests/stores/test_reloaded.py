@@ -3,8 +3,11 @@
 On real demo-model KV: a page the store reads offers its stream's pool level; installed at the
 slots SGLang loads the page into, it is bit for bit the pages the compressed pool would have
 quantized from that KV, and the pool quantizes nothing of it, though the full KV at those slots
-is zeros here (so the pages cannot have come from it). The server path (SGLang's load-back
-hook) is tests/speculative/test_page_size.py's server B.
+is zeros here (so the pages cannot have come from it). Codes that are not the pool's pages (a
+stream another compressor wrote, codes of another geometry) are skipped and counted, and the
+pool quantizes those pages from their KV. The server path (SGLang's load-back hook) is
+tests/speculative/test_page_size.py's server B, and with another compressor's streams
+tests/stores/test_mooncake_vericache.py's server D.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tests.stores.test_file_store import _flat_page, _host_pool, _storage
 from vericache_sglang.codec import coarser, finer
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.quant import QuantTier
+from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
@@ -124,10 +128,56 @@ def test_codes_of_another_geometry_are_refused(stored):
     reference, slots = _pool(keys, values)
     tiers = reference_tiers(reference, reference.pages(slots)[:2])
     two_bit, _ = _pool(None, None, "kivi:bits=2")
-    with pytest.raises(ValueError, match="geometry"):
-        two_bit.install(slots[:PAGE], tiers)
-    with pytest.raises(ValueError, match="geometry"):
-        two_bit.install(slots[:PAGE + 32], tiers)
+    assert reference.fits(slots[:PAGE], tiers)
+    for pool, at in ((two_bit, slots[:PAGE]), (reference, slots[:PAGE + 32]),
+                     (reference, slots[:PAGE - 32])):
+        assert not pool.fits(at, tiers)
+        with pytest.raises(ValueError, match="geometry"):
+            pool.install(at, tiers)
+
+
+def test_codes_of_another_geometry_are_skipped_at_load_back(stored):
+    """A 4-bit store's codes waiting for a 2-bit pool: the load-back installs none and does
+    not raise; they are counted, and the pool quantizes those pages from the KV loaded into
+    their slots, as it does for a page no store offered codes for."""
+    storage, keys, values = stored
+    pool, slots = _pool(keys, values, "kivi:bits=2")
+    RELOADED.accept(pool)
+    before = RELOADED.snapshot()
+    page_keys = _read(storage)
+    assert len(RELOADED) == 2
+    RELOADED.install(page_keys, slots, PAGE)
+    after = RELOADED.snapshot()
+    assert after["skipped_pages"] - before["skipped_pages"] == 2
+    assert after["installed_pages"] == before["installed_pages"] and len(RELOADED) == 0
+    assert pool.installed_pages == 0
+    got = pool.pages(slots)
+    assert pool.compressed_pages == 4
+    reference, _ = _pool(keys, values, "kivi:bits=2")
+    want = reference.pages(slots)
+    for layer in (0, 29):
+        assert torch.equal(pool.k_codes[layer][got], reference.k_codes[layer][want])
+        assert torch.equal(pool.v_scale[layer][got], reference.v_scale[layer][want])
+
+
+def test_another_compressors_stream_gives_its_exact_kv_and_no_codes(stored, tmp_path):
+    """A 2-bit server reads the pages a 4-bit one stored in the same directory: their exact KV
+    is this page's all the same, their codes are not its pool's pages (skipped, counted). No
+    fault, and the files stay."""
+    storage, keys, values = stored
+    pool, _ = _pool(None, None, "kivi:bits=2")
+    RELOADED.accept(pool)
+    two_bit = _storage(tmp_path / "pages")
+    two_bit.compressor = "kivi:bits=2"
+    two_bit.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    before, faults = RELOADED.snapshot(), STORE_STATS.snapshot()["faults"]
+    _read(two_bit)
+    assert RELOADED.snapshot()["skipped_pages"] - before["skipped_pages"] == 2
+    assert len(RELOADED) == 0 and STORE_STATS.snapshot()["faults"] == faults
+    target = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    assert two_bit.get(f"{1:064x}", target) is target
+    assert torch.equal(target, _flat_page(keys[:, PAGE:], values[:, PAGE:], "layer_first"))
+    assert all(storage.exists(f"{page:064x}") for page in range(2))
 
 
 def test_waiting_codes_are_bounded_oldest_first(stored):

@@ -7,6 +7,8 @@ from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
 from vericache_sglang.stores.admission import ADMISSION
 from vericache_sglang.stores.link import LINK
 from vericache_sglang.stores.pages import STORE_STATS
+from vericache_sglang.stores.pending import PENDING
+from vericache_sglang.stores.reconnect import RECONNECTS
 from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.staging import FetchStats
 
@@ -68,8 +70,16 @@ class WorkerStats:
         self.add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
                              plain_decode_steps=len(verified) - rounds), compressed_pages)
         if self.metrics is not None:
-            self.metrics.record_store(STORE_STATS.snapshot(), ADMISSION.declined_pages,
-                                      RELOADED.installed, LINK.mbit())
+            self.metrics.record_store(STORE_STATS.snapshot(), {
+                "store_reads_declined": ADMISSION.declined_pages,
+                "store_read_probes": ADMISSION.probes,
+                "reloaded_pages_installed": RELOADED.installed,
+                "reloaded_pages_skipped": RELOADED.skipped,
+                "store_reconnect_attempts": RECONNECTS.attempts,
+                "store_reconnect_failures": RECONNECTS.failures,
+                "early_exact_failed": PENDING.poisoned,
+                "early_exact_timed_out": PENDING.timed_out,
+                "early_pages_recomputed": PENDING.recomputed}, LINK.mbit())
 
     def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
         """Count the tokens request `row` of the last step kept of its verified round."""

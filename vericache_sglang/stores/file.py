@@ -18,10 +18,13 @@ A page is stored in one of two forms, chosen once from the host pool:
 
 SGLang's `HiCacheFile` stores raw bytes: a file that was truncated is an error, and one whose
 bytes changed would be loaded as KV, silently changing the output. Here a page that is missing
-(deleted behind the server's back), short, corrupted, undecodable, or that cannot be written
+(deleted behind the server's back), short, corrupted, another configuration's (a stream of
+another dtype or page shape: file names do not say), unreadable, or that cannot be written
 (full or read-only disk) is a miss: SGLang stops the prefetch at that page and the rest of the
-prompt is prefilled, so the output is the same. Each kind of fault is logged once and counted
-(`STORE_STATS`, `vericache:disk_faults` on `/metrics`), with the bytes and codec time.
+prompt is prefilled, so the output is the same. Only a corrupted file (its digest fails) is
+removed, to be written again; the others stay, whoever wrote them. Each kind of fault is
+logged once and counted (`STORE_STATS`, `vericache:disk_faults` on `/metrics`), with the bytes
+and codec time.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 from vericache_sglang.codec import StreamError
 
 from .admission import ADMISSION
+from .codec_worker import CodecTimeout
 from .pages import (
     STORE_STATS,
     PageCoder,
@@ -124,8 +128,11 @@ class VeriCacheFileStorage(HiCacheFile):
             pass
 
     def _fault(self, kind: str, key: str, detail: str) -> None:
+        """Count page `key`'s fault; forget a page that is gone, and remove a corrupted one
+        (only a failed digest proves the bytes are not what their writer stored)."""
         STORE_STATS.record(kind, key, detail)
-        self._discard(key)
+        if kind in ("missing", "corrupt"):
+            self._discard(key)
 
     def exists(self, key: str) -> bool:
         found = super().exists(key)
@@ -207,6 +214,9 @@ class VeriCacheFileStorage(HiCacheFile):
             except StreamError as e:
                 self._fault(fault_kind(e), key, str(e))
                 return None
+            except CodecTimeout as e:  # the codec process hung: the file may be fine
+                STORE_STATS.record("timeout", key, str(e))
+                return None
             form = "coded"
         else:
             record = self._read(key, expected + DIGEST_BYTES + 1)
@@ -233,7 +243,11 @@ class VeriCacheFileStorage(HiCacheFile):
         began = time.perf_counter()
         kv_bytes = value.numel() * value.element_size()
         if self._coder is not None:
-            blob = self._coder.encode(value.contiguous(), self._get_suffixed_key(key))
+            try:
+                blob = self._coder.encode(value.contiguous(), self._get_suffixed_key(key))
+            except CodecTimeout as e:
+                STORE_STATS.record("timeout", key, str(e))
+                return False
             record, form = torch.frombuffer(bytearray(blob), dtype=torch.uint8), "coded"
         else:
             payload = value.contiguous().view(torch.uint8).reshape(-1)

@@ -20,7 +20,11 @@ so SGLang's zero-copy reads into registered host pages do not apply). A read fet
 decodes several pages at once, one per codec process (`codec_worker.CodecPool`) and one more
 fetching ahead, and writes them into the host pool in order. A page whose object is
 missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
-there and the rest is prefilled. A put the store refuses (full: -200) is skipped and counted as
+there and the rest is prefilled. Only a corrupted page (a digest fails) is removed, to be
+written again: servers of other configurations (dtype, compressor, page shape) share the
+store's object names, and a page one of them wrote is another's foreign miss, left in place. A
+plain read of another compressor's stream uses its exact KV and skips its codes
+(`reloaded.py`). A put the store refuses (full: -200) is skipped and counted as
 a write error; serving goes on. A store that dies while serving makes lookups fail (counted
 read errors: the prefix is computed) and writes fail (counted, the rest of the batch skipped);
 one that cannot be reached at startup is retried in the background (`reconnect.py`).
@@ -47,10 +51,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-from vericache_sglang.codec import StreamError
+from vericache_sglang.codec import StreamCorrupt, StreamError
 from vericache_sglang.config import served_config
 
 from .admission import ADMISSION
+from .codec_worker import CodecTimeout
 from .link import LINK, DraftingPlan
 from .pages import (
     STORE_STATS,
@@ -70,6 +75,10 @@ FULL = -200
 """Mooncake's put code for a store without room: a later page may fit once the master
 evicts. Other codes (-800: the segment's holder is gone, -900: the master is) mean the store
 cannot be reached, and the rest of the batch is not tried."""
+
+
+class ExactPartLost(RuntimeError):
+    """A page's exact part did not come: its object is missing, or an earlier page's failed."""
 
 
 def master_unreachable(storage_config: HiCacheStorageConfig | None) -> str | None:
@@ -127,7 +136,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return
         self._window.start()
         if served_config().vericache_early_drafting:
-            PENDING.attach(mem_pool_host, self._coder.kv)
+            PENDING.attach(mem_pool_host, self._coder.kv,
+                           deadline=served_config().vericache_store_timeout)
             self._exact = ThreadPoolExecutor(self._window.in_flight,
                                              thread_name_prefix="vericache-store-exact")
             logger.info("VeriCache Mooncake store: early drafting: a page answers SGLang's "
@@ -176,7 +186,12 @@ class VeriCacheMooncakeStore(MooncakeStore):
             if stored[i] == 1:
                 results.append(True)
                 continue
-            blob, kv_bytes, seconds = next(coded).result()
+            try:
+                blob, kv_bytes, seconds = next(coded).result()
+            except CodecTimeout as e:  # the codec process hung (killed and replaced)
+                STORE_STATS.record("timeout", name, str(e))
+                results.append(False)
+                continue
             code = self._put(name, blob)
             if code != 0:
                 STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
@@ -224,9 +239,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
                     read: Callable[[str, str], tuple[bytes | None, torch.Tensor | None, str]]
                     ) -> list[tuple[int, str, int, str, bytes]]:
         """`read(name, key)` of each page, several at once, written into its host page in
-        order up to the first that fails (a counted fault; a stream that does not decode is
-        removed, to be written again by a later backup): (page, key, host index, name, bytes
-        read) of each page written. A whole stream's read time feeds
+        order up to the first that fails (a counted fault; a corrupted stream is removed, to
+        be written again by a later backup): (page, key, host index, name, bytes read) of
+        each page written. A whole stream's read time feeds
         `--vericache-store-reads auto`."""
         page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
@@ -237,9 +252,10 @@ class VeriCacheMooncakeStore(MooncakeStore):
             try:
                 blob, target, form = future.result()
             except StreamError as e:
-                STORE_STATS.record(fault_kind(e), name, str(e))
-                for part in self._objects(name):
-                    self.store.remove(part)
+                self._fault(name, e)
+                break
+            except CodecTimeout as e:  # the codec process hung: the page may be fine
+                STORE_STATS.record("timeout", name, str(e))
                 break
             if not blob:
                 STORE_STATS.record("missing", name, "the store has no such object")
@@ -255,6 +271,16 @@ class VeriCacheMooncakeStore(MooncakeStore):
             done.append((i, key, index, name, blob))
         reads.close()
         return done
+
+    def _fault(self, name: str, error: StreamError) -> None:
+        """Count stream `name`'s fault; remove its objects only where a digest failed (another
+        configuration's page, or one cut short, stays)."""
+        STORE_STATS.record(fault_kind(error), name, str(error))
+        if isinstance(error, StreamCorrupt):
+            for part in self._objects(name):
+                # Forced: this read's own get leased the objects, and Mooncake refuses to
+                # remove a leased object (-706) until the lease runs out.
+                self.store.remove(part, force=True)
 
     def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None, str]:
         """Page `name`'s stream and its exact KV as a flat host page (None, None: an object
@@ -323,25 +349,25 @@ class VeriCacheMooncakeStore(MooncakeStore):
         and the prefix is recomputed from that page on."""
         if broken.is_set():
             PENDING.poison()
-            raise StreamError("an earlier page's exact part failed")
+            raise ExactPartLost("an earlier page's exact part failed")
         began = time.perf_counter()
         _, refinement, exact = self._objects(name)
         try:
             refine = PageCoder.refinement_bytes(head) > 0
             parts = [head, *([self._get(refinement)] if refine else []), self._get(exact)]
             if not all(parts):
-                raise StreamError("the store has no exact object")
+                raise ExactPartLost("the store has no exact object")
             target = self.mem_pool_host.get_dummy_flat_data_page()
             tiers = self._coder.decode(memoryview(b"".join(parts)), name, target,
                                        page_key=page_key if refine else None)
         except Exception as e:
             broken.set()
-            kind = (("missing" if "no exact" in str(e) else fault_kind(e))
-                    if isinstance(e, StreamError) else "read_error")
-            STORE_STATS.record(kind, name, str(e))
-            if kind in ("short", "corrupt"):
-                for part in self._objects(name):  # written again by a later backup
-                    self.store.remove(part)
+            if isinstance(e, StreamError):
+                self._fault(name, e)
+            else:
+                kind = ("missing" if isinstance(e, ExactPartLost)
+                        else "timeout" if isinstance(e, CodecTimeout) else "read_error")
+                STORE_STATS.record(kind, name, str(e))
             PENDING.poison()
             raise
         seconds = time.perf_counter() - began

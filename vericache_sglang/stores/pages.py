@@ -20,7 +20,11 @@ import torch
 
 from vericache_sglang.codec import (
     CodecSpec,
+    Header,
+    StreamCorrupt,
     StreamError,
+    StreamForeign,
+    StreamTruncated,
     decode_chunk,
     encode_chunk,
     finer,
@@ -39,7 +43,8 @@ from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("missing", "short", "corrupt", "read_error", "write_error", "unavailable")
+FAULT_KINDS = ("missing", "short", "corrupt", "foreign", "timeout", "read_error",
+               "write_error", "unavailable")
 CODED_LAYOUTS = ("layer_first", "page_first")
 """Host pool layouts whose flat page the coded form reads as [2, L, page, H, D] (or with page
 and layer swapped)."""
@@ -89,6 +94,7 @@ class PageCoder:
         self.pool_level = pool_level
         """Whether the stream's last lossy level is the compressed pool's pages."""
         self.dtype = host_pool.dtype
+        self.dtype_name = str(host_pool.dtype).removeprefix("torch.")
         self.page_first = host_pool.layout == "page_first"
         rows = (host_pool.page_size, host_pool.layer_num)
         self.shape = (2, *(rows if self.page_first else rows[::-1]),
@@ -159,19 +165,40 @@ class PageCoder:
         kv[1].copy_(values)
         if page_key is not None and tiers:
             RELOADED.offer(page_key, tiers)
+        elif page_key is not None and self.pool_level:  # `decode_page` kept none back
+            RELOADED.skip(page_key, "its stream's pool level is another compressor's")
         return tiers
+
+    def own_pool_level(self, header: Header) -> bool:
+        """Whether the pool level of `header`'s stream is this coder's (bits per layer and key
+        group): then its codes are the compressed pool's pages bit for bit."""
+        return (header.levels[-1] == list(self.spec.pool_bits)
+                and header.group == self.spec.group)
 
     def decode_page(self, blob: bytes | memoryview, key: str,
                     drafting: bool = False) -> Decoded:
-        """The exact keys and values of `blob`, checked against this pool's page, and its
-        pool-level codes (none where the stream's levels only predict). With `drafting`, the
-        reconstruction of the finest lossy level whose part `blob` holds (a prefix of the
-        stream), its codes lifted to the pool's bits (`finer`: the same values)."""
+        """The exact keys and values of `blob` and its pool-level codes: none where the
+        stream's levels only predict, or are another compressor's (its exact KV is this page's
+        all the same). With `drafting`, the reconstruction of the finest lossy level whose
+        part `blob` holds (a prefix of the stream), its codes lifted to the pool's bits
+        (`finer`: the same values). A stream of another page shape or dtype, and another
+        compressor's drafting level, raise `StreamForeign`: another configuration's valid page,
+        which a store leaves in place."""
+        header, _ = read_header(blob)
+        shape = (header.layers, header.tokens, header.heads, header.head_dim)
+        if shape != self.chunk_shape or header.dtype != self.dtype_name:
+            raise StreamForeign(f"the stream holds {shape} {header.dtype}, the page is "
+                                f"{self.chunk_shape} {self.dtype_name}")
+        own = self.own_pool_level(header)
         if drafting:
-            header, _ = read_header(blob)
+            if not own:
+                raise StreamForeign(f"the stream's drafting levels are another compressor's "
+                                    f"(pool level {header.levels[-1]} bits, group "
+                                    f"{header.group}; this pool's {list(self.spec.pool_bits)}, "
+                                    f"{self.spec.group})")
             level = min(parts_in(header, len(blob)), len(header.levels)) - 1
             if level < 0:
-                raise StreamError("the drafting part holds no whole lossy level")
+                raise StreamTruncated("the drafting part holds no whole lossy level")
             chunk = decode_chunk(blob, level=level, key=key.encode())
             chunk.tiers = [finer(tier, bits) for tier, bits in
                            zip(chunk.tiers, header.levels[-1], strict=True)]
@@ -181,15 +208,15 @@ class PageCoder:
         else:
             chunk = decode_chunk(blob, key=key.encode())
             keys, values = chunk.keys, chunk.values
-        if tuple(keys.shape) != self.chunk_shape or keys.dtype != self.dtype:
-            raise StreamError(f"the stream holds {tuple(keys.shape)} {keys.dtype}, "
-                              f"the page is {self.chunk_shape} {self.dtype}")
-        return keys, values, chunk.tiers if self.pool_level else []
+        return keys, values, chunk.tiers if self.pool_level and own else []
 
 
 def fault_kind(error: StreamError) -> str:
-    """The fault a stream that does not decode counts as."""
-    return "short" if "truncated" in str(error) else "corrupt"
+    """The fault a stream that does not decode counts as: `corrupt` (which a store removes)
+    only where a digest failed, `short` where it ends early, else `foreign`."""
+    if isinstance(error, StreamCorrupt):
+        return "corrupt"
+    return "short" if isinstance(error, StreamTruncated) else "foreign"
 
 
 def store_reads_auto() -> bool:
@@ -212,7 +239,9 @@ class PageWindow:
     def start(self) -> int:
         """Size this process's codec processes from its server's flags
         (`--vericache-store-codec-processes`) and start them; how many."""
-        CODEC_WORKER.resize(served_config().vericache_store_codec_processes)
+        config = served_config()
+        CODEC_WORKER.resize(config.vericache_store_codec_processes)
+        CODEC_WORKER.timeout = config.vericache_store_timeout
         CODEC_WORKER.start()
         processes = CODEC_WORKER.size
         self.in_flight = processes + 1

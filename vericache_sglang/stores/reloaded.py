@@ -13,6 +13,9 @@ Codes wait here between the read and the load-back, as the host pool's page wait
 bounded as SGLang bounds prefetched pages (half the host pool, `prefetch_capacity_limit`), the
 oldest dropped first; a page whose codes were dropped, or a page loaded by another path, is
 quantized from the full KV as before: the same bits, so the output never depends on which.
+Codes that are not this pool's pages (a stream another compressor wrote, whose exact KV is
+used all the same; codes of another geometry) are skipped, counted, the page quantized from
+its full KV likewise: the load-back hook never raises.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class ReloadedCodes:
         """The compressed pool installs go to; None: nothing is kept."""
         self.capacity = 0
         """Pages kept at most (the host pool's prefetch share)."""
-        self.offered = self.installed = self.dropped = 0
+        self.offered = self.installed = self.dropped = self.skipped = 0
 
     def accept(self, pool: CompressedPagePool | None) -> None:
         """Install reloaded pages into `pool` (the worker's; None: keep nothing)."""
@@ -78,6 +81,19 @@ class ReloadedCodes:
                 self._codes.popitem(last=False)
                 self.dropped += 1
 
+    def skip(self, key: str, why: str) -> None:
+        """Page `key`'s codes are not this pool's pages (`why`): none installed, counted, the
+        first logged."""
+        if not self.wanted:
+            return
+        with self._lock:
+            self.skipped += 1
+            first = self.skipped == 1
+        if first:
+            logger.warning("VeriCache: the codes of reloaded page %s are not the compressed "
+                           "pool's pages (%s); it is quantized from its KV (logged once, "
+                           "counted in reloaded_pages.skipped_pages)", key[:16], why)
+
     def take(self, key: str) -> list[QuantTier] | None:
         with self._lock:
             return self._codes.pop(key, None)
@@ -94,17 +110,22 @@ class ReloadedCodes:
 
     def snapshot(self) -> dict[str, int]:
         return {"offered_pages": self.offered, "installed_pages": self.installed,
-                "dropped_pages": self.dropped, "waiting_pages": len(self),
-                "waiting_bytes": self.held_bytes()}
+                "dropped_pages": self.dropped, "skipped_pages": self.skipped,
+                "waiting_pages": len(self), "waiting_bytes": self.held_bytes()}
 
     def install(self, keys: list[str], slots: Any, page_size: int) -> None:
         """Pages `keys` were loaded into device `slots` (page after page): install the codes
-        waiting for them."""
+        waiting for them that fit the pool, skip the rest (`skip`)."""
         pool = self.pool
         for i, key in enumerate(keys):
             tiers = self.take(key)
-            if tiers is not None and pool is not None:
-                self.installed += pool.install(slots[i * page_size:(i + 1) * page_size], tiers)
+            if tiers is None or pool is None:
+                continue
+            page = slots[i * page_size:(i + 1) * page_size]
+            if pool.fits(page, tiers):
+                self.installed += pool.install(page, tiers)
+            else:
+                self.skip(key, "codes of another geometry")
 
 
 RELOADED = ReloadedCodes()
