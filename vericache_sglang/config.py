@@ -199,9 +199,10 @@ class VeriCacheConfig:
         metadata={
             "help": "Seconds a KV store's page may wait on a codec process "
             "(--vericache-store-codec-processes) that makes no progress taking the page or "
-            "answering. Past it the process is killed and replaced, and the page counts as "
-            "failed (vericache:disk_faults kind timeout): its prefix is recomputed, with the "
-            "same output.",
+            "answering, and with --vericache-early-drafting the longest a prefill waits for its "
+            "stored prefix's exact KV. Past it a hung process is killed and replaced, and the "
+            "page counts as failed (vericache:disk_faults kind timeout, "
+            "vericache:early_exact_timed_out): its prefix is recomputed, with the same output.",
         },
     )
 

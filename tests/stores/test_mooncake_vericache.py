@@ -10,9 +10,15 @@ not in the store, so it finds no storage hit and prefills everything; its output
 references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
 loaded from A's objects. B also drafts before the exact KV for a JSON-schema request (plain
 SGLang's output) and for sampled requests (plain SGLang's distribution, 47 draws at temperature
-0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py). Then the store is
-killed under B, and B still answers (the question, then the short prompt) with the
-references. Server D, of another compressor (2-bit KIVI, reading pages whole),
+0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py). A page whose exact
+part never comes is never served as exact, the fault injected at a named point: the exact object
+(`<page>_0_x`) of the fourth page of a 640-token prefix B stored is rewritten with one byte
+flipped, so the page answers on its drafting level and its exact part fails its digest (and the
+pages after it with it); B then answers that prefix plus a question during the early drafting,
+while another request decodes, and after the client that asked first gave up, and once more
+from the store: plain SGLang's answer each time, the fault counted. Then the store is killed
+under B, and B still answers (the question, then the short prompt) with the references.
+Server D, of another compressor (2-bit KIVI, reading pages whole),
 shares the store with B: they take turns over the question (A's 4-bit pages) and the short
 prompt (D's 2-bit pages), each answer plain SGLang's, each server counting the other's pages,
 and neither removing one. Server C starts while the store is
@@ -26,12 +32,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from sglang.srt.mem_cache.utils import get_hash_str
 from transformers import AutoTokenizer
 
 from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
@@ -60,6 +68,10 @@ SAMPLED_TOKENS = 4
 STORE_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
               "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
+FAULT_TOKENS = 640
+"""The stored prefix of each fault test: 10 pages."""
+BAD_PAGE = 3
+FAULTS = ("fault_drafting", "fault_bystander", "fault_aborted")
 VERICACHE_ARGS = ["--enable-vericache", "--vericache-draft-length", "16"]
 
 
@@ -80,8 +92,9 @@ def _server(model: Path, store: MooncakeService, vericache: bool,
                          max_total_tokens=DEVICE_TOKENS, env={**store.env(), **(env or {})})
 
 
-def _request(ids: list[int]) -> dict:
-    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
+def _request(ids: list[int], new_tokens: int = 12) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0,
+                                                  "max_new_tokens": new_tokens,
                                                   "ignore_eos": True}}
 
 
@@ -123,7 +136,12 @@ def prompts(demo_model) -> dict[str, list[int]]:
             "question": prompt + stdlib_ids(tokenizer, "bisect", 60, start=300),
             "short": stdlib_ids(tokenizer, "heapq", SHORT_TOKENS, start=50),
             "other": stdlib_ids(tokenizer, "textwrap", OTHER_TOKENS, start=0),
-            "other2": stdlib_ids(tokenizer, "csv", OTHER_TOKENS, start=0)}
+            "other2": stdlib_ids(tokenizer, "csv", OTHER_TOKENS, start=0),
+            "running": stdlib_ids(tokenizer, "heapq", 200, start=20),
+            **{name: stdlib_ids(tokenizer, module, FAULT_TOKENS, start=10 + i)
+               + stdlib_ids(tokenizer, "bisect", 40, start=300)
+               for i, (name, module) in enumerate(zip(FAULTS, ("string", "shlex", "fnmatch"),
+                                                      strict=True))}}
 
 
 def _together(prompts: dict[str, list[int]]) -> list[dict]:
@@ -165,6 +183,9 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
         out["short"] = plain.generate(_request(prompts["short"]))
         out["together"] = send_all(plain, _together(prompts))
         out["sampled"] = plain.generate(_sampled(prompts, SAMPLES))
+        for name in FAULTS:
+            out[name] = plain.generate(_request(prompts[name]))
+        out["running"] = plain.generate(_request(prompts["running"], 48))
     return out
 
 
@@ -335,11 +356,115 @@ def test_servers_of_other_compressors_share_the_store(server_b, store, reference
         assert store.metrics()["master_remove_requests_total"] == removed
 
 
+@pytest.fixture(scope="module")
+def fault_pages(server_b, store, prompts):
+    """The fault tests' prefixes, stored by B's own prefills (written through), and a store
+    client of this process to damage them with."""
+    for name in FAULTS:
+        server_b.generate(_request(prompts[name][:FAULT_TOKENS], 1))
+    return store.connect()
+
+
+def _exact_object(model: Path, ids: list[int], page: int) -> str:
+    """The name of page `page`'s exact object (`mooncake.VeriCacheMooncakeStore`, rank 0,
+    under SGLang's Mooncake prefix: the served model's name, slashes as dashes)."""
+    page_hash = get_hash_str(ids[:FAULT_TOKENS], None, page_size=PAGE_SIZE)[page]
+    return f"{'-'.join(str(model).split('/'))}_{page_hash}_0_x"
+
+
+def _corrupt(client, model: Path, ids: list[int]) -> str:
+    """Flip one byte of the bad page's exact object, once B has written it; its name."""
+    name = _exact_object(model, ids, BAD_PAGE)
+    deadline = time.monotonic() + 60  # B writes behind its answers
+    while client.is_exist(name) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    blob = bytearray(client.get(name))
+    assert blob, f"{name} is not in the store"
+    blob[len(blob) // 2] ^= 0xFF
+    # Our own get just leased it: remove it past the lease, then put the changed bytes.
+    assert client.remove(name, force=True) == 0 and client.put(name, bytes(blob)) == 0
+    return name
+
+
+def _faults(server: ServerProcess) -> tuple[int, int, int]:
+    """(corrupt pages counted, pages whose exact part failed, pages recomputed after it)."""
+    state = _state(server)
+    early = state["early_drafting"]
+    return (state["disk_faults"]["corrupt"], early["exact_failed"],
+            early["recomputed_pages"])
+
+
+def _ask_again(server: ServerProcess, ids: list[int], expected: list[int]) -> None:
+    """A later request over the same prefix, from the store again: plain SGLang's answer."""
+    server.flush_cache()
+    assert server.generate(_request(ids))["output_ids"] == expected
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_a_corrupt_exact_part_during_early_drafting_is_recomputed(
+        server_b, fault_pages, demo_model, prompts, reference):
+    ids = prompts["fault_drafting"]
+    server_b.flush_cache()
+    name = _corrupt(fault_pages, demo_model, ids)
+    corrupt, failed, recomputed = _faults(server_b)
+    out = server_b.generate(_request(ids))
+    assert out["output_ids"] == reference["fault_drafting"]["output_ids"]
+    assert (out["meta_info"].get("cached_tokens_details") or {}).get("storage") == \
+        FAULT_TOKENS
+    after_corrupt, after_failed, after_recomputed = _faults(server_b)
+    print(f"\n[fault during drafting] {after_failed - failed} pages' exact part failed, "
+          f"{after_recomputed - recomputed} recomputed")
+    assert after_corrupt == corrupt + 1
+    # The bad page and the later ones not yet fetched when it failed (a page fetched beside
+    # it may still arrive exact): each recomputed.
+    assert 1 <= after_failed - failed <= FAULT_TOKENS // PAGE_SIZE - BAD_PAGE
+    assert after_recomputed - recomputed == after_failed - failed
+    # Only the page whose digest failed is removed; the pages before it stay.
+    assert fault_pages.is_exist(name) != 1
+    assert fault_pages.is_exist(_exact_object(demo_model, ids, BAD_PAGE - 1)) == 1
+    _ask_again(server_b, ids, reference["fault_drafting"]["output_ids"])
+
+
+def test_a_corrupt_exact_part_while_another_request_decodes(
+        server_b, fault_pages, demo_model, prompts, reference):
+    ids = prompts["fault_bystander"]
+    server_b.flush_cache()
+    _corrupt(fault_pages, demo_model, ids)
+    corrupt = _faults(server_b)[0]
+    running: dict = {}
+    decoding = threading.Thread(target=lambda: running.update(
+        server_b.generate(_request(prompts["running"], 48))))
+    decoding.start()
+    out = server_b.generate(_request(ids))
+    decoding.join(timeout=600)
+    assert out["output_ids"] == reference["fault_bystander"]["output_ids"]
+    assert running["output_ids"] == reference["running"]["output_ids"]
+    assert _faults(server_b)[0] == corrupt + 1
+    _ask_again(server_b, ids, reference["fault_bystander"]["output_ids"])
+
+
+def test_a_corrupt_exact_part_after_its_client_gave_up(
+        server_b, fault_pages, demo_model, prompts, reference):
+    """The client that asked drops its connection (SGLang aborts the request) while the pages
+    load; the next request over the prefix still gets plain SGLang's answer."""
+    ids = prompts["fault_aborted"]
+    server_b.flush_cache()
+    _corrupt(fault_pages, demo_model, ids)
+    corrupt = _faults(server_b)[0]
+    with pytest.raises(requests.Timeout):
+        requests.post(f"{server_b.url}/generate", json=_request(ids, 64), timeout=1.0)
+    again = server_b.generate(_request(ids))
+    assert again["output_ids"] == reference["fault_aborted"]["output_ids"]
+    # The first request's read met the fault, or (aborted before its prefetch) the second's.
+    assert _faults(server_b)[0] == corrupt + 1
+    _ask_again(server_b, ids, reference["fault_aborted"]["output_ids"])
+
+
 def test_a_store_that_died_loses_nothing(server_b, store, reference, prompts):
     """The store is killed under B: the question's stored prefix and a prompt the store has
     never seen are computed, with plain SGLang's output, the failed lookups and writes
     counted, and B keeps serving. (A page whose exact part fails mid-read, injected at a named
-    point, is tests/stores/test_store_faults.py's.)"""
+    point, is the corrupt-object tests' above.)"""
     server_b.flush_cache()
     before = _state(server_b)["disk_faults"]
     store.kill()
