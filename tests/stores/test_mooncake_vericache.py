@@ -10,7 +10,10 @@ not in the store, so it finds no storage hit and prefills everything; its output
 references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
 loaded from A's objects. B also drafts before the exact KV for a JSON-schema request (plain
 SGLang's output) and for sampled requests (plain SGLang's distribution, 47 draws at temperature
-0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py). A page whose exact
+0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py). Server D, of
+another compressor (2-bit KIVI, reading pages whole), shares the store with B: they take turns
+over the question (A's 4-bit pages) and the short prompt (D's 2-bit pages), each answer plain
+SGLang's, each server counting the other's pages, and neither removing one. A page whose exact
 part never comes is never served as exact, the fault injected at a named point: the exact object
 (`<page>_0_x`) of the fourth page of a 640-token prefix B stored is rewritten with one byte
 flipped, so the page answers on its drafting level and its exact part fails its digest (and the
@@ -18,14 +21,10 @@ pages after it with it); B then answers that prefix plus a question during the e
 while another request decodes, and after the client that asked first gave up, and once more
 from the store: plain SGLang's answer each time, the fault counted. Then the store is killed
 under B, and B still answers (the question, then the short prompt) with the references.
-Server D, of another compressor (2-bit KIVI, reading pages whole),
-shares the store with B: they take turns over the question (A's 4-bit pages) and the short
-prompt (D's 2-bit pages), each answer plain SGLang's, each server counting the other's pages,
-and neither removing one. Server C starts while the store is
-down, answers the short prompt, and reaches the store once it is back (retrying every 2 s,
-`VERICACHE_STORE_RETRY_SECONDS`), under SGLang's own fault injector
-(`SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`): every answer equals the reference. At most two
-servers are up at once.
+Server C starts while the store is down, answers the short prompt, and reaches the store once
+it is back (retrying every 2 s, `VERICACHE_STORE_RETRY_SECONDS`), under SGLang's own fault
+injector (`SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`): every answer equals the reference.
+At most two servers are up at once.
 """
 
 from __future__ import annotations
