@@ -45,7 +45,7 @@ class _HostPool:
 @pytest.fixture
 def pending() -> tuple[PendingExact, _HostPool]:
     registry, host = PendingExact(), _HostPool()
-    registry.attach(host, lambda flat: flat.reshape(2, 1, PAGE, 1, 1))
+    registry.attach(host, lambda flat: flat.reshape(2, 1, PAGE, 1, 1), deadline=30.0)
     return registry, host
 
 

@@ -55,6 +55,16 @@ class _Page:
     """Its exact part will not come (a store fault, or past the deadline): its device slots
     and host page hold the drafting level until a prefill recomputes them."""
 
+    @property
+    def arriving(self) -> bool:
+        """Its exact KV is still on its way."""
+        return not self.failed and not self.exact.done()
+
+    @property
+    def lost(self) -> bool:
+        """Its exact KV will not come (marked failed, or its future ended in an error)."""
+        return self.failed or (self.exact.done() and self.exact.exception() is not None)
+
 
 @dataclass
 class Settled:
@@ -91,9 +101,9 @@ class PendingExact:
         self.host_pool: Any = None
         self._kv_of: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.enabled = False
-        self.deadline = 30.0
+        self.deadline = 0.0
         """Seconds a forward waits for the exact KV of its context's pages; past it they
-        count as failed and are recomputed."""
+        count as failed and are recomputed (`--vericache-store-timeout`, set by `attach`)."""
         self.answered = self.settled = self.poisoned = self.recomputed = 0
         self.timed_out = 0
         self.refined = 0
@@ -101,7 +111,7 @@ class PendingExact:
         self.waited_seconds = 0.0
 
     def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor],
-               deadline: float = 30.0) -> None:
+               deadline: float) -> None:
         """Serve `host_pool`'s pages (`kv_of` views a flat page as [2, L, page, H, D]): learn
         when SGLang frees them (a wrap of its `free`, which every host free in SGLang 0.5.23
         ends in)."""
@@ -198,15 +208,13 @@ class PendingExact:
         """Whether a page in `context` (anywhere on the device when None) still waits for
         its exact KV or its recompute."""
         with self._lock:
-            return any(self._pages[i].failed or not self._pages[i].exact.done()
-                       or self._pages[i].exact.exception() is not None
+            return any(self._pages[i].arriving or self._pages[i].lost
                        for i in self._in(context))
 
     def arriving_in(self, context: torch.Tensor) -> bool:
         """Whether a page in `context` still waits for its exact KV to arrive."""
         with self._lock:
-            return any(not self._pages[i].exact.done() and not self._pages[i].failed
-                       for i in self._in(context))
+            return any(self._pages[i].arriving for i in self._in(context))
 
     def settle(self, *, context: torch.Tensor | None, block: bool,
                failures: bool = True) -> Settled:
@@ -220,7 +228,7 @@ class PendingExact:
         if context is not None and block:
             with self._lock:
                 waiting = {i: self._pages[i].exact for i in self._in(context)
-                           if not self._pages[i].exact.done() and not self._pages[i].failed}
+                           if self._pages[i].arriving}
             if waiting:
                 began = time.perf_counter()
                 _, late = wait_all(waiting.values(), timeout=self.deadline)
@@ -239,7 +247,7 @@ class PendingExact:
         with self._lock:
             inside = set() if context is None else set(self._in(context))
             for entry_id, entry in list(self._pages.items()):
-                if entry.failed or (entry.exact.done() and entry.exact.exception()):
+                if entry.lost:
                     # Poisoned: its host and device copies keep the drafting level until a
                     # prefill whose context holds them recomputes them; SGLang frees or
                     # reuses them before that, or never reads them again.
