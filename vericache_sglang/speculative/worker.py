@@ -315,7 +315,9 @@ class VeriCacheWorker(BaseSpecWorker):
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         rows = [req_to_token[req.kv.req_pool_idx, :n]
                 for req, n in zip(batch.reqs, batch.prefix_lens, strict=True)]
-        return torch.cat(rows).to(torch.int64) if rows else None
+        # On the host once: the registry compares it with its pages' slots there, at every
+        # early draft step.
+        return torch.cat(rows).to(torch.int64).cpu() if rows else None
 
     def _drafting_goes_on(self, context: torch.Tensor) -> bool:
         """Between early drafts: write the pages that arrived (their pool-level codes
