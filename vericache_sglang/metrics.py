@@ -95,8 +95,9 @@ class VeriCacheMetrics:
         self.disk_faults = Counter(
             "vericache:disk_faults", "Stored pages that could not be used (kind: missing, "
             "short, corrupt (removed from the store), foreign (another configuration's page, "
-            "left in place), read_error, write_error, unavailable); each made its prefix "
-            "recompute from that page on.", labelnames=[*labels.keys(), "kind"])
+            "left in place), timeout (a codec process or the exact KV past "
+            "--vericache-store-timeout), read_error, write_error, unavailable); each made its "
+            "prefix recompute from that page on.", labelnames=[*labels.keys(), "kind"])
         self.store_bytes = Counter(
             "vericache:store_bytes", "Bytes written to and read from the KV store (direction: "
             "written, read; form: coded CacheGen streams, raw pages, or kv: the host pool's "
