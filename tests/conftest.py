@@ -52,10 +52,10 @@ def model_kv(demo_model: Path):
 # by the VeriCache flags. Prompts over 2,048 tokens are prefilled in chunks; sampling is seeded
 # so that a sampling test's outcome is reproducible; sixteen requests may run at once (VeriCache
 # reserves the device's drafting windows for that many); requests may bring a custom logit
-# processor.
+# processor; no warm-up request (3 s of every start; the tests' first requests are theirs).
 SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--enable-metrics",
                "--random-seed", "0", "--max-running-requests", "16",
-               "--enable-custom-logit-processor"]
+               "--enable-custom-logit-processor", "--skip-server-warmup"]
 
 FULL_KV_BYTES_PER_TOKEN = 46080
 """The demo model's float32 KV per token: 30 layers x 3 KV heads x 64 x 2 (K, V) x 4 bytes."""

@@ -24,7 +24,7 @@ from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess, ServerStartError
 
 ARGS = ["--dtype", "float32", "--random-seed", "0", "--disable-overlap-schedule",
-        "--max-running-requests", "4"]
+        "--max-running-requests", "4", "--skip-server-warmup"]
 NEW_TOKENS = 48
 SOURCES = (("textwrap", 0), ("argparse", 3000), ("difflib", 1000))
 PROMPT_TOKENS = 640
