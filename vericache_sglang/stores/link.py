@@ -33,14 +33,6 @@ class LinkMeter:
         self._lock = threading.Lock()
         self._gets: deque[tuple[float, float, int]] = deque(maxlen=window)
 
-    def timed(self, get: Callable[[str], bytes | None], name: str) -> bytes | None:
-        """`get(name)`, recorded when it returns an object."""
-        began = time.perf_counter()
-        blob = get(name)
-        if blob:
-            self.record(began, time.perf_counter(), len(blob))
-        return blob
-
     def record(self, began: float, ended: float, nbytes: int) -> None:
         with self._lock:
             self._gets.append((began, ended, nbytes))

@@ -15,8 +15,11 @@ plain SGLang server on the same store finds no `_k` / `_v` objects for those pag
 prefills them: it skips them cleanly, and VeriCache skips the plain server's raw pages the
 same way. Other page sizes are stored as SGLang stores them (raw, zero-copy).
 
-Streams go through the store's byte `put` / `get` (the coded object's size is not the page's,
-so SGLang's zero-copy reads into registered host pages do not apply). A read fetches and
+Streams go through the store's byte `put` and ranged reads (the coded object's size is not the
+page's, so SGLang's zero-copy reads into registered host pages do not apply): each object is
+read in ranges sized from the measured link to fit Mooncake's read lease, so a slow link never
+fails a read on `LEASE_EXPIRED` (`leased_reads.py`), as SGLang's batched reads of raw pages do
+unless the master's lease is raised. A read fetches and
 decodes several pages at once, one per codec process (`codec_worker.CodecPool`) and one more
 fetching ahead, and writes them into the host pool in order. A page whose object is
 missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
@@ -56,6 +59,7 @@ from vericache_sglang.config import served_config
 
 from .admission import ADMISSION
 from .codec_worker import CodecTimeout
+from .leased_reads import LeasedReader
 from .link import LINK, DraftingPlan
 from .pages import (
     STORE_STATS,
@@ -120,6 +124,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         self.compressor = compressor
         self._coder: PageCoder | None = None
         self._window = PageWindow()
+        self._reader: LeasedReader | None = None
         self._exact: ThreadPoolExecutor | None = None
         """With early drafting: fetches and decodes pages' exact parts behind their answer."""
 
@@ -135,6 +140,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
                         "stores them (--page-size 64 codes them)", mem_pool_host.page_size)
             return
         self._window.start()
+        self._reader = LeasedReader(self.store, LINK, sharing=self._window.in_flight)
         if served_config().vericache_early_drafting:
             PENDING.attach(mem_pool_host, self._coder.kv,
                            deadline=served_config().vericache_store_timeout)
@@ -214,8 +220,9 @@ class VeriCacheMooncakeStore(MooncakeStore):
         return 0
 
     def _get(self, obj: str) -> bytes | None:
-        """Object `obj`, its transfer measured for the link (`link.py`)."""
-        return LINK.timed(self.store.get, obj)
+        """Object `obj`, read in ranges that each fit the store's lease, however slow the
+        link (`leased_reads.py`), and measured for the link (`link.py`)."""
+        return self._reader.get(obj)
 
     def _encode(self, name: str, index: int) -> tuple[bytes, int, float]:
         """The stream of the host page at `index`, its KV bytes and the seconds coding took."""
