@@ -28,6 +28,9 @@ once a page's drafting level is in, drafts on the compressed pages while the exa
 arrives, and counts the drafts made before it (`early drafts`) and those later accepted; its
 pages draft on the pool's level where the measured link fits it in the drafting deadline (1 s),
 else on the coarse level; `vericache-early-coarse` always takes the coarse level first.
+With `--bystander` another request is already decoding on server B (streamed) when each timed
+batch is sent: its largest gap between tokens while the batch's prefixes load (until every
+request of the batch has its first token) and until the batch is done.
 
     python -m bench.remote_prefix --prefix-tokens 3200 --rates-mbit 200 --new-tokens 64
 
@@ -43,11 +46,13 @@ same runs, batch 1 and 4), once per dtype:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +73,9 @@ DEVICE_TOKENS = 8192
 QUESTION_TOKENS = 60
 UNSTORED_TOKENS = 2000
 STORED_TOKENS = 640
+BYSTANDER_PROMPT_TOKENS = 200
+BYSTANDER_TOKENS = 4096
+"""The bystander (`--bystander`) decodes until the timed batch is done, then is dropped."""
 STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2",
               "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
@@ -240,19 +248,68 @@ def _mean(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(values) / len(values)
 
 
+class Bystander:
+    """A request already decoding (streamed) when the timed batch arrives: started, and once
+    its first token came, returned; `stop()` drops its connection (SGLang aborts it) and gives
+    the times its tokens came."""
+
+    def __init__(self, server: ServerProcess, ids: list[int]) -> None:
+        self.times: list[float] = []
+        self._first, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._stream, args=(server, ids), daemon=True)
+        self._thread.start()
+        if not self._first.wait(600):
+            raise RuntimeError("the bystander request never streamed a token")
+
+    def _stream(self, server: ServerProcess, ids: list[int]) -> None:
+        request = {**serving.request(ids, BYSTANDER_TOKENS), "stream": True}
+        with requests.post(f"{server.url}/generate", json=request, stream=True,
+                           timeout=1800) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: {"):
+                    self.times.append(time.monotonic())
+                    self._first.set()
+                if self._stop.is_set():
+                    break
+        self._first.set()
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=600)
+        return self.times
+
+
+def largest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest time without a token in [start, end], its ends counted as tokens."""
+    inside = [start, *(t for t in times if start < t < end), end]
+    return max(b - a for a, b in itertools.pairwise(inside))
+
+
 def timed_batch(server: ServerProcess, prompts: list[list[int]],
-                args: argparse.Namespace) -> tuple[dict, list[list[int]]]:
+                args: argparse.Namespace, bystander: list[int] | None = None
+                ) -> tuple[dict, list[list[int]]]:
     """The prompts sent at once: each request's times, their means, the link bytes per request
-    (the batch's, divided by its size) and VeriCache's store reads; and the outputs."""
+    (the batch's, divided by its size) and VeriCache's store reads; and the outputs. With
+    `bystander`, a request decoding that prompt is running when the batch is sent: its largest
+    gap between streamed tokens until every request of the batch has its first token (while
+    their prefixes load), and until the batch is done."""
+    running = None if bystander is None else Bystander(server, bystander)
     sent, io = link_bytes(), store_io(server)
+    began = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda ids: timed_stream(server, ids, args.new_tokens,
                                                          args.mark_token), prompts))
+    done = time.monotonic()
     moved = link_bytes() - sent
     after = store_io(server)
     outputs = [answer.pop("output_ids") for answer in answers]
     row = {key: _mean([a[key] for a in answers]) for key in ("first_s", "mark_s", "last_s",
                                                               "storage_hit")}
+    if running is not None:
+        times = running.stop()
+        loaded = began + max(a["first_s"] for a in answers)
+        row |= {"bystander_gap_loading_s": largest_gap(times, began, loaded),
+                "bystander_gap_s": largest_gap(times, began, done)}
     row |= {"requests": answers, "link_bytes": moved,
             "link_bytes_per_request": moved / len(prompts),
             "store_read": {key: after.get(key, 0) - (0 if key in GAUGES else io.get(key, 0))
@@ -286,6 +343,7 @@ def run_inside(args: argparse.Namespace) -> dict:
     # each rate one A stored: a server that has been serving on this link, whose rates
     # (`--vericache-store-reads auto`) are measured.
     unstored = stdlib_ids(tokenizer, "difflib", UNSTORED_TOKENS, start=0)
+    bystander = stdlib_ids(tokenizer, "textwrap", BYSTANDER_PROMPT_TOKENS, start=0)
     stored = {rate: stdlib_ids(tokenizer, "heapq", STORED_TOKENS, start=i * STORED_TOKENS)
               for i, rate in enumerate(args.rates_mbit)}
     server_base = base_args(args.dtype)
@@ -328,7 +386,8 @@ def run_inside(args: argparse.Namespace) -> dict:
                             # timed requests' times and bytes are their own
                             store.wait_keys(0, timeout=900, settle=5.0)
                         prompts = [prefix + question for prefix in prefixes[(rate, batch)]]
-                        row, outputs[(name, rate, batch)] = timed_batch(b, prompts, args)
+                        row, outputs[(name, rate, batch)] = timed_batch(
+                            b, prompts, args, bystander if args.bystander else None)
                         rows.append({"rate_mbit": rate, "batch": batch, "config": name, **row})
                         cli.log(f"[{name}] {rate:g} Mbit/s, batch {batch}: "
                                 f"last token {row['last_s']:.1f} s, "
@@ -384,8 +443,9 @@ def _table(results: dict, args: argparse.Namespace) -> str:
              f"reads for the whole batch.", "",
              f"| link Mbit/s | batch | server | first token s | {mark} token s | last token s "
              f"| {mark} / HiCache | {mark} / recompute | link MB / request | link / HiCache "
-             f"| storage hit | store reads s (pages) | identical |",
-             "| --- " * 13 + "|"]
+             f"| storage hit | store reads s (pages) | identical |"
+             + (" bystander's largest gap s: loading / all |" if args.bystander else ""),
+             "| --- " * (14 if args.bystander else 13) + "|"]
     for r in rows:
         hicache = cell.get((r["rate_mbit"], r["batch"], "hicache"))
         recompute = cell.get((r["rate_mbit"], r["batch"], "recompute"))
@@ -408,7 +468,9 @@ def _table(results: dict, args: argparse.Namespace) -> str:
             f"{_ratio(r['mark_s'], recompute and recompute['mark_s'])} | "
             f"{r['link_bytes_per_request'] / 1e6:.1f} | "
             f"{_ratio(r['link_bytes_per_request'], hicache and hicache['link_bytes_per_request'])}"
-            f" | {r['storage_hit']:.0f} | {reads} | {same} |")
+            f" | {r['storage_hit']:.0f} | {reads} | {same} |"
+            + (f" {_seconds(r.get('bystander_gap_loading_s'))} / "
+               f"{_seconds(r.get('bystander_gap_s'))} |" if args.bystander else ""))
     for key, against in (("identical", "recompute"), ("identical_to_hicache", "HiCache")):
         if results.get(key):
             lines += ["", f"Identical to {against}, all cells (where not, the first token "
@@ -442,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-mib", type=int, default=None,
                         help="the store's memory: every configuration's pages live there "
                              "(default: the estimate of what they need, / 0.8)")
+    parser.add_argument("--bystander", action="store_true",
+                        help="a request already decoding on server B when each timed batch "
+                             "arrives: report its largest gap between streamed tokens while "
+                             "the batch's prefixes load")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -479,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.new_tokens), "--mark-token", str(args.mark_token), "--rates-mbit",
                  *map(str, args.rates_mbit), "--batch", *map(str, args.batch), "--dtype",
                  args.dtype, "--segment-mib", str(args.segment_mib), "--configs",
-                 *args.configs, *(["--model", str(args.model)] if args.model else [])]
+                 *args.configs, *(["--model", str(args.model)] if args.model else []),
+                 *(["--bystander"] if args.bystander else [])]
         with subprocess.Popen(link.command([sys.executable, "-m", "bench.remote_prefix",
                                             "--inside", *inner]),
                               stdout=subprocess.PIPE, text=True) as child:

@@ -409,8 +409,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(_flag(f.name), action="store_true", default=None,
                                help=f.metadata["help"])
             continue
-        default = f.default if f.default is not None else "unlimited"
-        help_text = f"{f.metadata['help']} (default: {default})"
+        # A field without a default value says in its help what happens when it is unset.
+        help_text = (f.metadata["help"] if f.default is None
+                     else f"{f.metadata['help']} (default: {f.default})")
         if "choices" in f.metadata:
             help_text += f" Choices: {', '.join(f.metadata['choices'])}."
         group.add_argument(_flag(f.name), type=str, default=None, metavar=f.name[10:].upper(),

@@ -144,6 +144,10 @@ class VeriCacheMetrics:
         self.early_pages_recomputed = counter(
             "early_pages_recomputed", "Pages whose exact part failed, recomputed by the "
             "prefill that read them (never served from their drafting level).")
+        self.early_prefills_parked = counter(
+            "early_prefills_parked", "Prefills over a stored prefix still arriving that "
+            "waited beside the running requests, drafting between their steps, instead of "
+            "holding them.")
         self.store_reconnect_failures = counter(
             "store_reconnect_failures", "Of those, attempts that failed (each logged at "
             "WARNING; the store serves misses meanwhile).")

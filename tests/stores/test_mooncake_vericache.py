@@ -10,7 +10,9 @@ not in the store, so it finds no storage hit and prefills everything; its output
 references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
 loaded from A's objects. B also drafts before the exact KV for a JSON-schema request (plain
 SGLang's output) and for sampled requests (plain SGLang's distribution, 47 draws at temperature
-0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py). Server D, of
+0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py), and answers the
+question while another request decodes: the loading prefill parks beside it, drafting between
+its steps, and the decoding request keeps streaming (`speculative/parking.py`). Server D, of
 another compressor (2-bit KIVI, reading pages whole), shares the store with B: they take turns
 over the question (A's 4-bit pages) and the short prompt (D's 2-bit pages), each answer plain
 SGLang's, each server counting the other's pages, and neither removing one. A page whose exact
@@ -29,6 +31,7 @@ At most two servers are up at once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -64,6 +67,8 @@ DEVICE_TOKENS = 8192
 SAMPLES = 47
 """Sampled answers per server over a stored prefix (each of B's read from the store)."""
 SAMPLED_TOKENS = 4
+RUNNING_TOKENS = 160
+"""A request decoding while another's stored prefix loads: long enough to outlast it."""
 STORE_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE), "--enable-hierarchical-cache",
               "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
@@ -184,7 +189,7 @@ def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
         out["sampled"] = plain.generate(_sampled(prompts, SAMPLES))
         for name in FAULTS:
             out[name] = plain.generate(_request(prompts[name]))
-        out["running"] = plain.generate(_request(prompts["running"], 48))
+        out["running"] = plain.generate(_request(prompts["running"], RUNNING_TOKENS))
     return out
 
 
@@ -262,6 +267,32 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
     # scheduling; at least one of them read some.
     assert hits[0] + hits[1] > 0
     assert read >= (hits[2] + max(hits[:2])) // PAGE_SIZE
+
+
+def test_a_loading_prefix_waits_beside_a_decoding_request(server_b, reference, prompts):
+    """A request decodes while another's 3,200-token stored prefix loads: the loading prefill
+    parks beside it (`speculative/parking.py`), drafting between its steps, and the decoding
+    request keeps streaming; both answer plain SGLang's tokens."""
+    server_b.flush_cache()
+    before = _state(server_b)["early_drafting"]
+    decoding = _Decoding(server_b, prompts["running"])
+    sent = time.monotonic()
+    out = server_b.generate(_request(prompts["question"]))
+    answered = time.monotonic()
+    running = decoding.join()
+    after = _state(server_b)["early_drafting"]
+    assert _storage_hit(out) == PROMPT_TOKENS
+    assert out["output_ids"] == reference["question"]["output_ids"]
+    assert running["output_ids"] == reference["running"]["output_ids"]
+    assert after["prefills_parked"] == before["prefills_parked"] + 1
+    steps = after["parked_draft_steps"] - before["parked_draft_steps"]
+    during = [t for t in decoding.times if sent < t < answered]
+    gaps = [b - a for a, b in itertools.pairwise(decoding.times)]
+    print(f"\n[parked] {after['parked_seconds'] - before['parked_seconds']:.2f} s parked, "
+          f"{steps} drafting steps between the decoding request's; it streamed {len(during)} "
+          f"times meanwhile, largest gap {max(gaps):.2f} s; early drafts {_early_drafts(out)}")
+    assert steps > 0 and during
+    assert _early_drafts(out) >= 1
 
 
 def test_grammar_and_sampled_requests_draft_before_the_exact_kv(server_b, reference, prompts):
@@ -424,20 +455,44 @@ def test_a_corrupt_exact_part_during_early_drafting_is_recomputed(
     _ask_again(server_b, ids, reference["fault_drafting"]["output_ids"])
 
 
+class _Decoding:
+    """A request streaming its tokens in a thread: started, and once its first token came,
+    returned; `join()` gives its output and the times its tokens came."""
+
+    def __init__(self, server: ServerProcess, ids: list[int]) -> None:
+        self.times: list[float] = []
+        self.last: dict = {}
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._stream, args=(server, ids))
+        self._thread.start()
+        assert self._first.wait(300), "the decoding request never streamed a token"
+
+    def _stream(self, server: ServerProcess, ids: list[int]) -> None:
+        request = {**_request(ids, RUNNING_TOKENS), "stream": True}
+        with requests.post(f"{server.url}/generate", json=request, stream=True,
+                           timeout=600) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: {"):
+                    self.last = json.loads(line[len(b"data: "):])
+                    self.times.append(time.monotonic())
+                    self._first.set()
+        self._first.set()
+
+    def join(self) -> dict:
+        self._thread.join(timeout=600)
+        return self.last
+
+
 def test_a_corrupt_exact_part_while_another_request_decodes(
         server_b, fault_pages, demo_model, prompts, reference):
     ids = prompts["fault_bystander"]
     server_b.flush_cache()
     _corrupt(fault_pages, demo_model, ids)
     corrupt = _faults(server_b)[0]
-    running: dict = {}
-    decoding = threading.Thread(target=lambda: running.update(
-        server_b.generate(_request(prompts["running"], 48))))
-    decoding.start()
+    decoding = _Decoding(server_b, prompts["running"])
     out = server_b.generate(_request(ids))
-    decoding.join(timeout=600)
     assert out["output_ids"] == reference["fault_bystander"]["output_ids"]
-    assert running["output_ids"] == reference["running"]["output_ids"]
+    assert decoding.join()["output_ids"] == reference["running"]["output_ids"]
     assert _faults(server_b)[0] == corrupt + 1
     _ask_again(server_b, ids, reference["fault_bystander"]["output_ids"])
 

@@ -23,7 +23,7 @@ from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorith
 from vericache_sglang import startup
 from vericache_sglang.config import get_config
 from vericache_sglang.hooks import hook
-from vericache_sglang.speculative import settle
+from vericache_sglang.speculative import parking, settle
 from vericache_sglang.speculative.drafter import check_draft_model
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def register() -> None:
         )(_worker_class)
         hook(ROW_HEADROOM_TARGET, _row_holds_the_decode_reserve, HookType.AROUND)
         settle.register()
+        parking.register()
 
 
 def configure(server_args: Any) -> None:

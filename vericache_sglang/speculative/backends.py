@@ -76,6 +76,10 @@ class RoundBackends:
                 self.pool.on_read = self.staging.record_direct
         RELOADED.accept(self.pool)  # a reloaded prefix's pages, decoded by the store
         self.draft = DraftAttnBackend(runner, self.tier, self.pool, self.staging)
+        # A prefill drafting over a stored prefix between other requests' rounds keeps its
+        # scratch tail across them (speculative/parking.py): a backend of its own.
+        self.early_draft = (DraftAttnBackend(runner, self.tier, self.pool, self.staging)
+                            if get_config(server_args).vericache_early_drafting else None)
         # With the full KV in host memory: the backend of every forward over the full KV
         # (prefill, verification, plain decode).
         self.full: StagedFullKVAttnBackend | None = None
@@ -102,7 +106,9 @@ class RoundBackends:
     def reset_tier(self) -> None:
         """Drop every request-owned block (a cache flush)."""
         self.tier = CompressedTier(self.compressor)
-        self.draft.tier = self.tier
+        for backend in (self.draft, self.early_draft):
+            if backend is not None:
+                backend.tier = self.tier
 
     @property
     def compressed_pages(self) -> int:
@@ -153,7 +159,8 @@ class RoundBackends:
         """Bytes the compressed KV holds on the device now: the pool's used pages, the
         request-owned blocks and the current round's buffers."""
         pool = 0 if self.pool is None else self.pool.held_bytes()
-        return pool + self.tier.nbytes() + self.draft.round_buffer_bytes()
+        early = 0 if self.early_draft is None else self.early_draft.round_buffer_bytes()
+        return pool + self.tier.nbytes() + self.draft.round_buffer_bytes() + early
 
     def device_bytes(self, peak_round_bytes: int, stash_bytes: int) -> dict[str, int]:
         """Device bytes VeriCache allocated, measured from storages: the compressed pool (all

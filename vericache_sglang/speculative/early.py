@@ -8,7 +8,8 @@ drafts over the compressed tier, which already holds those pages (installed from
    draft backend's scratch tail; its last position's token is the first draft;
 2. one-token draft steps follow while the exact pages are still on their way (the number of
    steps is the time they still need, measured by asking after each step, capped at
-   `MAX_EARLY_DRAFTS`).
+   `MAX_EARLY_DRAFTS`): one after each step of the running batch while the prefill is parked
+   beside it (`parking.py`), back to back at the barrier when nothing else runs.
 
 Drafts are chosen as a round's are (`sampling.draft_tokens`): greedy requests take the
 token their sampler would, sampled requests draw from the draft distribution q, which is
@@ -86,73 +87,116 @@ class EarlyDrafts:
     probs: list[list[torch.Tensor] | None]
 
 
-def draft_early(forwards: TargetForwards, backend: DraftAttnBackend, batch,
-                waiting: Callable[[], bool]) -> EarlyDrafts:
-    """Each request's drafts after its prompt, made over the compressed prefix while
-    `waiting()` says the exact KV is still on its way."""
-    reqs = batch.reqs
-    bs = len(reqs)
-    device = batch.seq_lens.device
-    prefix = list(batch.prefix_lens)
-    suffix = list(batch.extend_lens)
-    rows = SamplingRows.from_sampling_info(batch.sampling_info)
-    sampled = rows.sampled.tolist()
-    cap = MAX_EARLY_SAMPLED_DRAFTS if any(sampled) else MAX_EARLY_DRAFTS
-    # More drafts than the longest request may emit would never be verified.
-    wanted = min(cap, max(room(reqs)))
-    steps_max = max(suffix) + wanted  # the draft backend's scratch tail holds them all
-    committed = torch.tensor(prefix, dtype=torch.int64, device=device)
-    req_to_token = forwards.model_runner.req_to_token_pool.req_to_token
-    slots = batch.req_pool_indices.to(torch.int64)
-    # Positions past the prompt have no slots yet: drafting writes nothing to the pool, so
-    # any slot index serves as the forward's out_cache_loc.
-    positions = (committed[:, None] + torch.arange(steps_max + 1, device=device)).clamp(
-        max=req_to_token.shape[1] - 1)
-    round_ = Round(
-        k=steps_max, room=[steps_max] * bs, committed=committed,
-        committed_cpu=committed.cpu(), slots=[req.kv.req_pool_idx for req in reqs],
-        positions=positions, locs=req_to_token[slots[:, None], positions].to(torch.int64),
-        tokens=[], grammar=None, penalties=None, rows=rows, drafts=[True] * bs)
-    grammar = RoundGrammar.for_batch(reqs, batch.sampling_info.vocab_size, wanted + 1)
-    drafts = EarlyDrafts([[] for _ in reqs], [[] if s else None for s in sampled])
+class EarlyDrafting:
+    """One prefill batch's drafting over the compressed prefix while its exact KV is on its
+    way, a step at a time, so that the steps can run between the running batch's rounds
+    (`parking.py`) or back to back at the barrier. `backend` is this drafting's own: its
+    scratch tail lives across the rounds that run in between."""
 
-    def choose(logits: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    def __init__(self, forwards: TargetForwards, backend: DraftAttnBackend, batch) -> None:
+        self.batch = batch
+        self._forwards = forwards
+        self._backend = backend
+        reqs = batch.reqs
+        bs = len(reqs)
+        device = batch.seq_lens.device
+        self._device = device
+        self._suffix = list(batch.extend_lens)
+        self._rows = SamplingRows.from_sampling_info(batch.sampling_info)
+        self._sampled = self._rows.sampled.tolist()
+        cap = MAX_EARLY_SAMPLED_DRAFTS if any(self._sampled) else MAX_EARLY_DRAFTS
+        # More drafts than the longest request may emit would never be verified.
+        self._wanted = min(cap, max(room(reqs)))
+        steps_max = max(self._suffix) + self._wanted  # the scratch tail holds them all
+        prefix = list(batch.prefix_lens)
+        self._committed = torch.tensor(prefix, dtype=torch.int64, device=device)
+        req_to_token = forwards.model_runner.req_to_token_pool.req_to_token
+        slots = batch.req_pool_indices.to(torch.int64)
+        # Positions past the prompt have no slots yet: drafting writes nothing to the pool,
+        # so any slot index serves as the forward's out_cache_loc.
+        positions = (self._committed[:, None]
+                     + torch.arange(steps_max + 1, device=device)).clamp(
+            max=req_to_token.shape[1] - 1)
+        self._round = Round(
+            k=steps_max, room=[steps_max] * bs, committed=self._committed,
+            committed_cpu=self._committed.cpu(), slots=[req.kv.req_pool_idx for req in reqs],
+            positions=positions, locs=req_to_token[slots[:, None], positions].to(torch.int64),
+            tokens=[], grammar=None, penalties=None, rows=self._rows, drafts=[True] * bs)
+        self._grammar = RoundGrammar.for_batch(reqs, batch.sampling_info.vocab_size,
+                                               self._wanted + 1)
+        self.drafts = EarlyDrafts([[] for _ in reqs], [[] if s else None for s in self._sampled])
+        self._last: torch.Tensor | None = None
+        backend.begin_round(self._round.slots, prefix, steps_max)
+
+    @property
+    def done(self) -> bool:
+        """Whether the batch has drafted all it may."""
+        return len(self.drafts.tokens[0]) >= self._wanted
+
+    def step(self) -> None:
+        """One drafting forward: the first runs the prompts' uncached suffixes over the
+        compressed prefix (their last positions give the first drafts), each later one a
+        token per request."""
+        bs = len(self.batch.reqs)
+        if self._last is None:
+            requests = [i for i in range(bs) for _ in range(self._suffix[i])]
+            steps = [s for i in range(bs) for s in range(self._suffix[i])]
+            self._backend.set_rows(requests, steps)
+            fb = draft_forward_batch(self.batch, self._round, torch.tensor(requests),
+                                     torch.tensor(steps), self._suffix_ids())
+            logits = self._forwards.draft_logits(self._backend, fb, bs)
+            ends = torch.tensor(self._suffix).cumsum(0) - 1
+            self._last = self._choose(logits[ends.to(logits.device)],
+                                      [n - 1 for n in self._suffix])
+            return
+        steps = [self._suffix[i] + len(self.drafts.tokens[i]) - 1 for i in range(bs)]
+        self._backend.set_rows(list(range(bs)), steps)
+        fb = draft_forward_batch(self.batch, self._round, torch.arange(bs),
+                                 torch.tensor(steps), self._last)
+        self._last = self._choose(self._forwards.draft_logits(self._backend, fb, bs), steps)
+
+    def _suffix_ids(self) -> torch.Tensor:
+        """The prompts' uncached suffixes, one after the other. Until the scheduler runs the
+        batch (a parked batch), they are still in SGLang's host staging."""
+        ids = self.batch.input_ids
+        if ids is None:
+            ids = self.batch.prefill_input_ids_cpu.to(self._device)
+        return ids.to(torch.int64)
+
+    def _choose(self, logits: torch.Tensor, steps: list[int]) -> torch.Tensor:
         """Each request's next draft from its logits [bs, V] at suffix step `steps[i]`."""
-        if grammar is not None:
-            grammar.constrain_draft(logits, len(drafts.tokens[0]))
-        token, q = draft_tokens(logits, rows,
-                                committed + torch.tensor(steps, device=device))
+        if self._grammar is not None:
+            self._grammar.constrain_draft(logits, len(self.drafts.tokens[0]))
+        token, q = draft_tokens(logits, self._rows,
+                                self._committed + torch.tensor(steps, device=self._device))
         for i, t in enumerate(token.tolist()):
-            drafts.tokens[i].append(t)
-            if sampled[i]:
+            self.drafts.tokens[i].append(t)
+            if self._sampled[i]:
                 # Its own row: a view would keep the step's whole [bs, V] (greedy rows too)
                 # alive in the stash.
-                drafts.probs[i].append(q[i].clone())
-        if grammar is not None:
-            grammar.advance(token)
+                self.drafts.probs[i].append(q[i].clone())
+        if self._grammar is not None:
+            self._grammar.advance(token)
         return token
 
-    backend.begin_round(round_.slots, prefix, steps_max)
-    try:
-        requests = [i for i in range(bs) for _ in range(suffix[i])]
-        steps = [s for i in range(bs) for s in range(suffix[i])]
-        backend.set_rows(requests, steps)
-        fb = draft_forward_batch(batch, round_, torch.tensor(requests), torch.tensor(steps),
-                                 batch.input_ids.to(torch.int64))
-        logits = forwards.draft_logits(backend, fb, bs)
-        ends = torch.tensor(suffix).cumsum(0) - 1
-        last = choose(logits[ends.to(logits.device)], [n - 1 for n in suffix])
-        while waiting() and len(drafts.tokens[0]) < wanted:
-            steps = [suffix[i] + len(drafts.tokens[i]) - 1 for i in range(bs)]
-            backend.set_rows(list(range(bs)), steps)
-            fb = draft_forward_batch(batch, round_, torch.arange(bs), torch.tensor(steps),
-                                     last)
-            last = choose(forwards.draft_logits(backend, fb, bs), steps)
-    finally:
-        backend.end_round()
-        if grammar is not None:
-            grammar.finish_drafting()
-    return drafts
+    def finish(self) -> EarlyDrafts:
+        """The drafts; the scratch tail is dropped and the grammar rolled back."""
+        self._backend.end_round()
+        if self._grammar is not None:
+            self._grammar.finish_drafting()
+        return self.drafts
+
+    def run(self, waiting: Callable[[], bool]) -> EarlyDrafts:
+        """Draft back to back while `waiting()` says the exact KV is still on its way (the
+        first step always runs), then finish."""
+        try:
+            if self._last is None:
+                self.step()
+            while waiting() and not self.done:
+                self.step()
+        finally:
+            drafts = self.finish()
+        return drafts
 
 
 def first_tokens(logits: torch.Tensor, tokens: torch.Tensor, batch,

@@ -62,9 +62,10 @@ class WorkerStats:
                                 pages_compressed=compressed_pages - self._pages_reported)
             self._pages_reported = compressed_pages
 
-    def count_step(self, drafted: int, verified: list[bool], compressed_pages: int) -> None:
+    def count_step(self, drafted: int, verified: list[bool], compressed_pages: int,
+                   prefills_parked: int = 0) -> None:
         """Count a step's rounds, drafts and plain steps; its emitted tokens are counted as
-        the scheduler settles them (`settle`)."""
+        the scheduler settles them (`settle`). `prefills_parked`: so far (`parking.py`)."""
         self._settling = verified
         rounds = sum(verified)
         self.add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
@@ -79,7 +80,8 @@ class WorkerStats:
                 "store_reconnect_failures": RECONNECTS.failures,
                 "early_exact_failed": PENDING.poisoned,
                 "early_exact_timed_out": PENDING.timed_out,
-                "early_pages_recomputed": PENDING.recomputed}, LINK.mbit())
+                "early_pages_recomputed": PENDING.recomputed,
+                "early_prefills_parked": prefills_parked}, LINK.mbit())
 
     def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
         """Count the tokens request `row` of the last step kept of its verified round."""

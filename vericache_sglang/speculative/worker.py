@@ -59,10 +59,10 @@ from vericache_sglang.speculative.backends import RoundBackends
 from vericache_sglang.speculative.drafter import build_drafter
 from vericache_sglang.speculative.drafting import draft_stacked, draft_steps
 from vericache_sglang.speculative.early import (
+    EarlyDrafting,
     EarlyDrafts,
     Stash,
     can_draft_early,
-    draft_early,
     first_tokens,
     prefill_over_exact,
     recompute_prefixes,
@@ -81,6 +81,7 @@ from vericache_sglang.speculative.meta_info import (
     EARLY_DRAFTS_KEY,
     READ_BYTES_KEY,
 )
+from vericache_sglang.speculative.parking import Parking
 from vericache_sglang.speculative.penalties import PenaltyStates, RoundPenalties
 from vericache_sglang.speculative.policy import DraftLengthPolicy
 from vericache_sglang.speculative.round import Round, room
@@ -139,6 +140,10 @@ class VeriCacheWorker(BaseSpecWorker):
         self.topk = 1
         self.placement = config.vericache_full_tier
         self.stash = Stash()
+        # A prefill whose stored prefix is still arriving, waiting beside the running batch.
+        self.parking = (Parking(self._context, self._may_draft_early, self._new_drafting,
+                                self._write_settled)
+                        if config.vericache_early_drafting else None)
         # Built in init_attention_backends(), once the target's KV pools exist.
         self.backends: RoundBackends | None = None
         self._owners: dict[int, str] = {}  # request slot -> rid whose blocks the tier holds
@@ -200,6 +205,7 @@ class VeriCacheWorker(BaseSpecWorker):
                                  "failures": RECONNECTS.failures},
             "reloaded_pages": RELOADED.snapshot(),
             "early_drafting": {**PENDING.snapshot(), **stats.early_report(),
+                               **({} if self.parking is None else self.parking.totals),
                                "store_link_mbit": LINK.mbit()},
             "compressed_pages_quantized": backends.compressed_pages,
         }
@@ -251,6 +257,8 @@ class VeriCacheWorker(BaseSpecWorker):
                 self._keep_early_drafts(batch, early, result)
             elif batch.forward_mode.is_decode():
                 result = self._decode(batch)
+                if self.parking is not None:
+                    self.parking.between_rounds()
             elif batch.forward_mode.is_extend():
                 result = self._prefill(batch)
             else:
@@ -283,20 +291,24 @@ class VeriCacheWorker(BaseSpecWorker):
             return None
         context = self._context(batch) if PENDING.waiting_in() else None
         drafts = None
+        # Drafting a parked prefill began between the running batch's steps (parking.py).
+        drafting = None if self.parking is None else self.parking.claim(batch)
         if context is not None and PENDING.waiting_in(context):
             began = time.perf_counter()
-            if (PENDING.arriving_in(context) and can_draft_early(batch, drafting_rows(
-                        batch, self.model_runner.sampler,
-                        get_exec().kernel.sampling_backend))):
-                drafts = draft_early(self.forwards, self.backends.draft, batch,
-                                     lambda: self._drafting_goes_on(context))
-            drafting = time.perf_counter() - began
+            if (drafting is None and PENDING.arriving_in(context)
+                    and self._may_draft_early(batch)):
+                drafting = self._new_drafting(batch)
+            if drafting is not None:
+                drafts = drafting.run(lambda: self._drafting_goes_on(context))
+            seconds = time.perf_counter() - began
             settled = PENDING.settle(context=context, block=True)
             logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
                         "KV, then %.2f s waiting for the exact KV of %d pages",
-                        "no" if drafts is None else sum(map(len, drafts.tokens)), drafting,
+                        "no" if drafts is None else sum(map(len, drafts.tokens)), seconds,
                         settled.waited_seconds, len(settled.writes) + len(settled.failed))
         else:
+            if drafting is not None:  # parked until its exact KV was in
+                drafts = drafting.finish()
             settled = PENDING.settle(context=context, block=False)
         self._write_settled(settled)
         if settled.failed:
@@ -304,6 +316,17 @@ class VeriCacheWorker(BaseSpecWorker):
                                             list(settled.failed.values()))
             PENDING.heal(recomputed, settled.failed, self._device_kv)
         return drafts
+
+    def _may_draft_early(self, batch) -> bool:
+        return can_draft_early(batch, drafting_rows(batch, self.model_runner.sampler,
+                                                    get_exec().kernel.sampling_backend))
+
+    def _new_drafting(self, batch) -> EarlyDrafting:
+        # SGLang loads the prefix's host pages onto the device on its own stream; the drafting
+        # forwards read them, so they wait for its layers as the prefill would (not yet run on
+        # a GPU; on a CPU the load has run).
+        self._target_worker.set_hicache_consumer(batch.hicache_consumer_index)
+        return EarlyDrafting(self.forwards, self.backends.early_draft, batch)
 
     def _context(self, batch) -> torch.Tensor | None:
         """The device slots `batch`'s forward reads as exact KV that a stored page may hold:
@@ -561,7 +584,9 @@ class VeriCacheWorker(BaseSpecWorker):
                 drafted: int, verified: list[bool]) -> GenerationBatchResult:
         """The step's result for the scheduler; `verified` says which requests' runs were
         verified rounds of `drafted` drafts (the others took a plain step)."""
-        self.stats.count_step(drafted, verified, self.backends.compressed_pages)
+        self.stats.count_step(drafted, verified, self.backends.compressed_pages,
+                              0 if self.parking is None
+                              else int(self.parking.totals["prefills_parked"]))
         self._publish_sizes()
         return GenerationBatchResult(
             logits_output=logits_output,

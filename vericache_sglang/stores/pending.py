@@ -216,6 +216,23 @@ class PendingExact:
         with self._lock:
             return any(self._pages[i].arriving for i in self._in(context))
 
+    def expire(self, context: torch.Tensor) -> None:
+        """The deadline passed for the pages in `context` still arriving: they count as
+        failed, and their prefix is recomputed."""
+        context = context.reshape(-1).to(torch.int64).cpu()
+        with self._lock:
+            self._expire([i for i in self._in(context) if self._pages[i].arriving])
+
+    def _expire(self, entry_ids: list[int]) -> None:
+        late = [i for i in entry_ids if i in self._pages]
+        for entry_id in late:
+            self._pages[entry_id].failed = True
+        self.timed_out += len(late)
+        if late:
+            logger.warning("VeriCache store: %d pages' exact KV did not come within %.0f s "
+                           "(--vericache-store-timeout); their prefix is recomputed",
+                           len(late), self.deadline)
+
     def settle(self, *, context: torch.Tensor | None, block: bool,
                failures: bool = True) -> Settled:
         """Write every arrived exact page into its host page, and hand back its device writes;
@@ -235,15 +252,7 @@ class PendingExact:
                 result.waited_seconds = time.perf_counter() - began
                 self.waited_seconds += result.waited_seconds
                 with self._lock:
-                    for entry_id, future in waiting.items():
-                        entry = self._pages.get(entry_id)
-                        if future in late and entry is not None:
-                            entry.failed = True
-                            self.timed_out += 1
-                if late:
-                    logger.warning("VeriCache store: %d pages' exact KV did not come within "
-                                   "%.0f s (--vericache-store-timeout); their prefix is "
-                                   "recomputed", len(late), self.deadline)
+                    self._expire([i for i, future in waiting.items() if future in late])
         with self._lock:
             inside = set() if context is None else set(self._in(context))
             for entry_id, entry in list(self._pages.items()):
