@@ -74,8 +74,9 @@ QUESTION_TOKENS = 60
 UNSTORED_TOKENS = 2000
 STORED_TOKENS = 640
 BYSTANDER_PROMPT_TOKENS = 200
-BYSTANDER_TOKENS = 4096
-"""The bystander (`--bystander`) decodes until the timed batch is done, then is dropped."""
+BYSTANDER_TOKENS = 2048
+"""The bystander (`--bystander`) decodes until the timed batch is done, then is dropped; the
+device pool has room for all of it beside the batch (`pool_tokens`)."""
 STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2",
               "--hicache-write-policy", "write_through",
               "--hicache-storage-prefetch-policy", "wait_complete"]
@@ -173,6 +174,8 @@ def pool_tokens(args: argparse.Namespace) -> int:
     (SGLang aborts a request that runs out of KV)."""
     pages = math.ceil((args.prefix_tokens + QUESTION_TOKENS + args.new_tokens) / PAGE_SIZE) + 1
     need = max(args.batch) * pages * PAGE_SIZE
+    if args.bystander:
+        need += BYSTANDER_PROMPT_TOKENS + BYSTANDER_TOKENS
     return max(DEVICE_TOKENS, need + need // 2)
 
 

@@ -23,6 +23,8 @@ from tests.speculative.identity import send_all, stats
 from vericache_sglang.prompts import stdlib_ids
 from vericache_sglang.server_process import ServerProcess, ServerStartError
 
+pytestmark = pytest.mark.server
+
 ARGS = ["--dtype", "float32", "--random-seed", "0", "--disable-overlap-schedule",
         "--max-running-requests", "4", "--skip-server-warmup"]
 NEW_TOKENS = 48

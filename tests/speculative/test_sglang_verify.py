@@ -47,23 +47,24 @@ def test_sglang_verify_under_the_interpreter() -> None:
     rerun_under_interpreter(__file__, skipped=2, timeout=900)
 
 
+@pytest.mark.server
 @pytest.mark.skipif(INTERPRETING, reason="the servers interpret their kernels themselves")
 def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(demo_model,
                                                                              hf_reference):
-    """Two code prompts past the compressed tier's recent window (the drafts read 2-bit pages,
-    so some are rejected), greedy, batched: VeriCache verifies through SGLang's Triton backend
-    with the full KV in the device pool, and through SGLang's Triton extend kernel over the
-    staging units with the full KV in host memory (`/server_info` says which); both emit plain
-    SGLang's tokens on the same backend."""
+    """Two code prompts past the compressed tier's recent window of 32 tokens (the drafts
+    read 2-bit pages, so some are rejected), greedy, batched: VeriCache verifies through
+    SGLang's Triton backend with the full KV in the device pool, and through SGLang's Triton
+    extend kernel over the staging units with the full KV in host memory (`/server_info` says
+    which); both emit plain SGLang's tokens on the same backend."""
     from concurrent.futures import ThreadPoolExecutor
 
     tokenizer = hf_reference.tokenizer
-    prompts = [stdlib_ids(tokenizer, "heapq", 224), stdlib_ids(tokenizer, "bisect", 200,
+    prompts = [stdlib_ids(tokenizer, "heapq", 112), stdlib_ids(tokenizer, "bisect", 96,
                                                                  start=300)]
     payloads = [{"input_ids": ids, "sampling_params": {
         "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}} for ids in prompts]
     env = {"TRITON_INTERPRET": "1"}
-    vericache = ["--enable-vericache", "--vericache-compressor", "kivi:bits=2",
+    vericache = ["--enable-vericache", "--vericache-compressor", "kivi:bits=2,residual=32",
                  "--vericache-drafter", "none", "--vericache-min-draft-length", "4",
                  "--vericache-draft-length", "8"]
     servers = {"plain": ([], None),
