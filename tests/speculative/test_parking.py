@@ -47,8 +47,12 @@ def world():
         draftings.append(_Drafting(wanted=2))
         return draftings[-1]
 
+    def drafting_goes_on(context: torch.Tensor) -> bool:  # as the worker's
+        writes.append(registry.settle(context=context, block=False, failures=False))
+        return registry.arriving_in(context)
+
     parking = Parking(context_of=lambda batch: batch.context, may_draft=lambda batch: True,
-                      new_drafting=new_drafting, write_settled=writes.append,
+                      new_drafting=new_drafting, drafting_goes_on=drafting_goes_on,
                       pending=registry)
     return SimpleNamespace(registry=registry, exact=exact, parking=parking, writes=writes,
                            draftings=draftings, batch=SimpleNamespace(context=CONTEXT))

@@ -33,7 +33,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.hooks import hook
 from vericache_sglang.speculative.early import EarlyDrafting
-from vericache_sglang.stores.pending import PENDING, PendingExact, Settled
+from vericache_sglang.stores.pending import PENDING, PendingExact
 
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 INFLIGHT_TARGET = "sglang.srt.managers.scheduler.Scheduler._collect_inflight_batches"
@@ -56,7 +56,8 @@ class Parking:
     context_of: Callable[[Any], torch.Tensor | None]
     may_draft: Callable[[Any], bool]
     new_drafting: Callable[[Any], EarlyDrafting]
-    write_settled: Callable[[Settled], None]
+    drafting_goes_on: Callable[[torch.Tensor], bool]
+    """Writes the pages of a context that arrived; whether any is still arriving."""
     pending: PendingExact = PENDING
     parked: ParkedPrefill | None = None
     _taken: ParkedPrefill | None = None
@@ -77,11 +78,7 @@ class Parking:
         (pool-level codes replace coarse ones, so later drafts read them) and draft one
         step."""
         parked = self.parked
-        if parked is None:
-            return
-        self.write_settled(self.pending.settle(context=parked.context, block=False,
-                                          failures=False))
-        if not parked.may_draft or not self.pending.arriving_in(parked.context):
+        if parked is None or not self.drafting_goes_on(parked.context) or not parked.may_draft:
             return
         if parked.drafting is None:
             parked.drafting = self.new_drafting(parked.batch)

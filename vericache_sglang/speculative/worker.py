@@ -142,7 +142,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.stash = Stash()
         # A prefill whose stored prefix is still arriving, waiting beside the running batch.
         self.parking = (Parking(self._context, self._may_draft_early, self._new_drafting,
-                                self._write_settled)
+                                self._drafting_goes_on)
                         if config.vericache_early_drafting else None)
         # Built in init_attention_backends(), once the target's KV pools exist.
         self.backends: RoundBackends | None = None
