@@ -13,6 +13,7 @@ object replaced between two ranges is a corrupt stream, never wrong KV.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from .link import LinkMeter
+
+logger = logging.getLogger(__name__)
 
 RANGE_SECONDS = 1.0
 """How long one range may take to cross: a tenth of Mooncake's default lease."""
@@ -53,11 +56,14 @@ class LeasedReader:
         return max(MIN_RANGE_BYTES, int(rate * RANGE_SECONDS / self._sharing))
 
     def get(self, name: str) -> bytes | None:
-        """Object `name`'s bytes; None when the store has no such object or a range fails."""
+        """Object `name`'s bytes; None when the store has no such object, a range fails or
+        no buffer can be registered (a miss, as a failed `get` is)."""
         size = self._client.get_size(name)
         if size <= 0:
             return None
         buffer = self._buffer(size)
+        if buffer is None:
+            return None
         address, done = buffer.data_ptr(), 0
         while done < size:
             length = min(self.range_bytes(), size - done)
@@ -72,8 +78,9 @@ class LeasedReader:
             done += length
         return buffer[:size].numpy().tobytes()
 
-    def _buffer(self, size: int) -> torch.Tensor:
-        """The calling thread's registered buffer, grown to `size` bytes."""
+    def _buffer(self, size: int) -> torch.Tensor | None:
+        """The calling thread's registered buffer, grown to `size` bytes (None: the store
+        refused to register it, logged)."""
         buffer = getattr(self._local, "buffer", None)
         if buffer is not None and buffer.numel() >= size:
             return buffer
@@ -82,7 +89,9 @@ class LeasedReader:
         buffer = torch.empty(size, dtype=torch.uint8)
         code = self._client.register_buffer(buffer.data_ptr(), size)
         if code != 0:
-            raise RuntimeError(f"Mooncake refused to register a {size}-byte read buffer "
-                               f"({code})")
+            self._local.buffer = None
+            logger.warning("VeriCache store: Mooncake refused to register a %d-byte read "
+                           "buffer (%d); the page is a miss", size, code)
+            return None
         self._local.buffer = buffer
         return buffer

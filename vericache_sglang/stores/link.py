@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 class LinkMeter:
-    """Bytes per second over the store's link: the bytes of the last `window` objects
-    received, over the time at least one of them was in flight. Objects fetched side by side
-    share the link, so their union, not their sum, is the link's busy time."""
+    """Bytes per second over the store's link: the bytes of the last `window` reads received
+    (objects, or the lease-sized ranges `leased_reads.py` reads them in), over the time at
+    least one of them was in flight. Reads side by side share the link, so their union, not
+    their sum, is the link's busy time."""
 
     def __init__(self, window: int = 32) -> None:
         self._lock = threading.Lock()
