@@ -29,7 +29,7 @@ start=$(date +%s)
 
 # Debian packages, installed only where missing: Mooncake (SGLang's KV store, HiCache's L3
 # tier) links libibverbs even when it runs over TCP; the emulated network link of the remote
-# store tests (vericache_sglang/stores/shaped_link.py) needs `ip` and `tc`. Without apt (or
+# store tests (vericache_tools/shaped_link.py) needs `ip` and `tc`. Without apt (or
 # root) those tests skip and say why.
 debian=(libibverbs1 ibverbs-providers iproute2)
 debian_missing=()
@@ -86,7 +86,7 @@ print('built' if a.load() else 'not built: the torch reference serves (see the w
     2> >(grep -v "No CUDA runtime is found" >&2 || true))
 log "CPU attention kernel: $kernel"
 
-mooncake=$("$VENV/bin/python" -c "from vericache_sglang.stores.mooncake_service import \
+mooncake=$("$VENV/bin/python" -c "from vericache_tools.mooncake_service import \
 mooncake_unavailable_reason as why; print(why() or 'ready')")
 log "Mooncake store: $mooncake"
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from bench.docs_section import replace_section
-from bench.hf_eval import load_model, prefill
 from vericache_sglang import models
 from vericache_sglang.codec import CodecSpec, decode_chunk, encode
 from vericache_sglang.codec.chunk import EXACT_PLANES
@@ -33,7 +32,8 @@ from vericache_sglang.codec.stream import read_parts, unpack_sections
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
-from vericache_sglang.prompts import file_ids
+from vericache_tools.hf_eval import load_model, prefill
+from vericache_tools.prompts import file_ids
 
 SECTION = "codec"
 DEFAULT_FILES = ["argparse.py", "difflib.py", "/usr/share/common-licenses/GPL-3"]

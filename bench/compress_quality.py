@@ -30,7 +30,9 @@ import vericache_kernels as kernels
 from bench import cli
 from bench.cli import log
 from bench.docs_section import replace_section
-from bench.hf_eval import (
+from bench.serving import first_difference
+from vericache_sglang.compress import Compressor, parse_compressor_spec
+from vericache_tools.hf_eval import (
     LayerKV,
     StepRecord,
     greedy_compressed,
@@ -38,9 +40,7 @@ from bench.hf_eval import (
     load_model,
     prefill,
 )
-from bench.serving import first_difference
-from vericache_sglang.compress import Compressor, parse_compressor_spec
-from vericache_sglang.prompts import LICENSES_DIR, STDLIB_DIR, file_ids
+from vericache_tools.prompts import LICENSES_DIR, STDLIB_DIR, file_ids
 
 DEFAULT_FILES = [
     str(STDLIB_DIR / "argparse.py"),

@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 from bench import cli
 from bench.serving import request
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 CONFIGS = {"plain": [], "vericache": ["--enable-vericache"]}
 

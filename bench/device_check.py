@@ -15,7 +15,7 @@ OUT_DIR/device_check.txt at the end):
   dense bf16 attention (torch SDPA), at a model's geometry on random data, by context and batch;
 - copy: the host tier's copy engine, host-to-device GB/s layer by layer, and the share of that
   copy hidden behind a stream running draft-step attention;
-- model: `vericache_sglang.perfmodel`'s prediction next to each measured figure.
+- model: `vericache_tools.perfmodel`'s prediction next to each measured figure.
 On a CPU the kernel section compares the CPU kernel with the reference instead (no Triton).
 """
 
@@ -43,9 +43,9 @@ from vericache_kernels.attention_ref import (
     tail_attention_ref,
 )
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref
-from vericache_sglang import perfmodel
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.copy_engine import measure_copy
+from vericache_tools import perfmodel
 
 
 @dataclass(frozen=True)

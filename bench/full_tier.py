@@ -22,10 +22,11 @@ from transformers import AutoTokenizer
 
 from bench import cli
 from bench.docs_section import replace_section
-from bench.serving import COMMON, VERICACHE, request, send_together, vericache_figures
+from bench.serving import COMMON, request, send_together, vericache_figures
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE
+from vericache_tools.server_process import ServerProcess
 
 MODULES = ["argparse", "difflib", "inspect", "typing", "tarfile", "pathlib", "functools",
            "textwrap"]

@@ -8,7 +8,7 @@ requests) twice to plain SGLang (`--disable-overlap-schedule`, which VeriCache i
 twice to VeriCache (4-bit KIVI, draft length from 16), and prints the largest absolute
 difference of the token, top and token-id logprobs per request: plain against itself (the
 second send finds its prefix cached) and VeriCache against plain. The identity tests'
-tolerance (`tests/speculative/identity.py`, LOGPROB_TOLERANCE) comes from this.
+tolerance (`tests/support/identity.py`, LOGPROB_TOLERANCE) comes from this.
 
     .venv/bin/python -m bench.logprob_drift
 """
@@ -18,13 +18,13 @@ from __future__ import annotations
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 from transformers import AutoTokenizer
 
-from bench.serving import COMMON, VERICACHE, request, send_together
+from bench.serving import request, send_together
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE, server_args
+from vericache_tools.server_process import ServerProcess
 
-SERVER = [*COMMON, "--max-running-requests", "16", "--enable-custom-logit-processor",
-          "--disable-overlap-schedule"]
+SERVER = server_args(max_running_requests=16, custom_logit_processor=True, overlap=False)
 DRAFT = ["--vericache-draft-length", "16"]
 LOGPROBS = {"return_logprob": True, "top_logprobs_num": 3,
             "token_ids_logprob": [13, 198, 284, 1134]}

@@ -44,13 +44,13 @@ from transformers import AutoConfig
 from bench import cli
 from bench.cli import log
 from bench.docs_section import replace_section
-from bench.hf_eval import LayerKV, load_model, prefill
 from vericache_sglang.attention.draft import DraftAttnBackend
 from vericache_sglang.compress import Compressor, parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
-from vericache_sglang.prompts import file_ids
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, pool_pages
+from vericache_tools.hf_eval import LayerKV, load_model, prefill
+from vericache_tools.prompts import file_ids
 
 MEMORY_SPECS = [
     "kivi:bits=8",

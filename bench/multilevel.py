@@ -16,7 +16,7 @@ answers fall into loops, which a copying drafter predicts.
 
 Servers: plain SGLang; VeriCache with a 4-bit tier drafting one token per forward; the same
 with SGLang's n-gram corpus proposing under it (`--vericache-drafter ngram`); the same with the
-distilled draft model proposing (`--vericache-draft-model`, vericache_sglang/distill.py); and
+distilled draft model proposing (`--vericache-draft-model`, vericache_tools/distill.py); and
 SGLang's own NGRAM speculative decoding where it starts on this machine. Per server and
 workload: output tokens per second of decoding, target-model forwards per emitted token
 (VeriCache: level-1 forwards over the compressed tier plus verification forwards, per
@@ -39,20 +39,20 @@ from bench import cli, tables
 from bench.docs_section import replace_section
 from bench.serving import (
     COMMON,
-    VERICACHE,
     chat_ids,
     request,
     send_together,
     start_failure,
 )
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess, ServerStartError
 from vericache_sglang.speculative.meta_info import (
     DRAFT_FORWARDS_KEY,
     DRAFTER_KEPT_KEY,
     DRAFTER_PROPOSED_KEY,
 )
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE
+from vericache_tools.server_process import ServerProcess, ServerStartError
 
 BATCH = ["--max-running-requests", "4"]
 SERVERS = {

@@ -20,10 +20,11 @@ from transformers import AutoTokenizer
 from bench import cli, tables
 from bench.docs_section import replace_section
 from bench.multilevel import MODULES, before_last_definition, measure_decode
-from bench.serving import COMMON, VERICACHE, request
+from bench.serving import COMMON, request
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE
+from vericache_tools.server_process import ServerProcess
 
 SERVERS = {
     "plain SGLang": [],

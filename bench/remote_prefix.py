@@ -63,10 +63,12 @@ import requests
 from transformers import AutoTokenizer
 
 from bench import cli, serving
-from vericache_sglang.prompts import PromptTooShortError, stdlib_ids
-from vericache_sglang.server_process import ServerProcess
-from vericache_sglang.stores.mooncake_service import MooncakeService, mooncake_unavailable_reason
-from vericache_sglang.stores.shaped_link import ShapedLink, shaping_unavailable_reason
+from vericache_tools.mooncake_service import MooncakeService, mooncake_unavailable_reason
+from vericache_tools.prompts import PromptTooShortError, stdlib_ids
+from vericache_tools.server_args import HICACHE_STORE_ARGS, server_args
+from vericache_tools.server_args import VERICACHE as KIVI4
+from vericache_tools.server_process import ServerProcess
+from vericache_tools.shaped_link import ShapedLink, set_rate, shaping_unavailable_reason
 
 PAGE_SIZE = 64
 DEVICE_TOKENS = 8192
@@ -77,18 +79,15 @@ BYSTANDER_PROMPT_TOKENS = 200
 BYSTANDER_TOKENS = 2048
 """The bystander (`--bystander`) decodes until the timed batch is done, then is dropped; the
 device pool has room for all of it beside the batch (`pool_tokens`)."""
-STORE_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "2",
-              "--hicache-write-policy", "write_through",
-              "--hicache-storage-prefetch-policy", "wait_complete"]
-"""HiCache on the store, for every configuration that reads it. The host pool is twice the
-device pool: SGLang keeps its prefetches within half the host pool, and the device pool
-(`pool_tokens`) holds a whole batch, so every request of a batch may prefetch at once."""
+STORE_ARGS = HICACHE_STORE_ARGS
+"""HiCache on the store, for every configuration that reads it (the device pool,
+`pool_tokens`, holds a whole batch, so every request of a batch may prefetch at once)."""
 SGLANG_STORAGE_BATCH_PAGES = 128
 """Pages SGLang's prefetch reads from a store in one call (`STORAGE_BATCH_SIZE` in SGLang's
 hicache_storage.py); plain SGLang's Mooncake backend makes it one `batch_get_into`."""
 LEASE_FLOOR_MS = 10_000
 """Mooncake's default read lease (`--default_kv_lease_ttl`)."""
-VERICACHE = [*serving.VERICACHE, "--vericache-full-tier", "device"]
+VERICACHE = [*KIVI4, "--vericache-full-tier", "device"]
 """VeriCache with its full KV where HiCache's is, in the device pool, loaded back from SGLang's
 host pool (with a store, `auto` would pick the host tier, whose pools did not fit beside a
 6,000-token matrix's store on a 24 GiB machine)."""
@@ -123,10 +122,8 @@ SEGMENT_FILL = 0.8
 
 
 def base_args(dtype: str) -> list[str]:
-    """`serving.COMMON` with its dtype replaced (it names float32), and pages of PAGE_SIZE."""
-    common = list(serving.COMMON)
-    common[common.index("--dtype") + 1] = dtype
-    return [*common, "--page-size", str(PAGE_SIZE)]
+    """The benchmarks' server arguments at `dtype`, with pages of PAGE_SIZE."""
+    return server_args(dtype, page_size=PAGE_SIZE)
 
 
 def kv_bytes_per_token(model: Path, dtype: str) -> int:
@@ -196,15 +193,6 @@ def link_bytes() -> int:
     shown = subprocess.run(["tc", "-s", "class", "show", "dev", "lo", "classid", "1:10"],
                            capture_output=True, text=True, check=True).stdout
     return int(re.search(r"Sent (\d+) bytes", shown).group(1))
-
-
-def set_rate(rate_mbit: float) -> None:
-    """Change the shaped class's rate in place, as `ShapedLink` made it (bursts included), so
-    the servers keep running while the link changes (this process runs inside its namespace)."""
-    subprocess.run(["tc", "class", "change", "dev", "lo", "parent", "1:", "classid", "1:10",
-                    "htb", "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit",
-                    "burst", "128k", "cburst", "128k"], capture_output=True, text=True,
-                   check=True)
 
 
 def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: int) -> dict:

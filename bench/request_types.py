@@ -30,15 +30,14 @@ from bench.docs_section import replace_section
 from bench.serving import chat_ids, request, send_together
 from examples.tools import call_schema, system_prompt
 from vericache_sglang import models
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE, server_args
+from vericache_tools.server_process import ServerProcess
 
-METRICS = ["--enable-metrics", "--enable-custom-logit-processor"]
-"""What any server measured here needs: /metrics, and requests with a custom logit processor."""
-SERVER = ["--dtype", "float32", "--random-seed", "0", *METRICS,
-          "--max-total-tokens", "32768", "--max-running-requests", "4", "--enable-vericache",
-          "--vericache-compressor", "kivi:bits=4", "--vericache-draft-length", "16",
-          "--vericache-full-tier", "device"]
+SERVER = [*server_args(chunked_prefill_size=None, max_running_requests=4, metrics=True,
+                      custom_logit_processor=True),
+          *VERICACHE, "--vericache-draft-length", "16", "--vericache-full-tier", "device"]
+"""/metrics, and requests with a custom logit processor."""
 MODULES = ["argparse", "difflib", "inspect", "typing"]
 COUNTERS = ("verify_rounds", "emitted_tokens", "plain_decode_steps", "accepted_drafts",
             "drafted_tokens", "draft_forwards", "drafter_proposed", "drafter_kept")

@@ -26,9 +26,10 @@ from transformers import AutoTokenizer
 
 from bench import cli
 from bench.multilevel import workloads
-from bench.serving import COMMON, VERICACHE, send_together
+from bench.serving import COMMON, send_together
 from bench.tables import table
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.server_args import VERICACHE
+from vericache_tools.server_process import ServerProcess
 
 CONFIGS = {
     "one level": [*VERICACHE, "--vericache-full-tier", "device", "--vericache-drafter", "none"],

@@ -1,19 +1,16 @@
 """What the server benchmarks share: the arguments their servers start with, the requests they
 send, and how their outputs are compared with plain SGLang's. Servers themselves start and stop
-through `vericache_sglang.server_process.ServerProcess` (127.0.0.1, stopped by PID)."""
+through `vericache_tools.server_process.ServerProcess` (127.0.0.1, stopped by PID)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from vericache_sglang.server_process import ServerProcess, ServerStartError
+from vericache_tools.server_args import server_args
+from vericache_tools.server_process import ServerProcess, ServerStartError
 
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "2048", "--random-seed", "0"]
-"""float32 (where VeriCache's output must equal plain SGLang's), long prompts prefilled in
-chunks, seeded sampling."""
-
-VERICACHE = ["--enable-vericache", "--vericache-compressor", "kivi:bits=4"]
-"""A VeriCache server drafting on a 4-bit KIVI tier."""
+COMMON = server_args()
+"""What every benchmark server starts with (`vericache_tools.server_args`)."""
 
 
 def request(ids: list[int], new_tokens: int, extra: dict | None = None, *,

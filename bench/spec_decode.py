@@ -42,8 +42,8 @@ from bench import cli
 from bench.cli import log
 from bench.docs_section import markers, replace_section
 from bench.serving import first_difference, request
-from vericache_sglang.prompts import file_prompt
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import file_prompt
+from vericache_tools.server_process import ServerProcess
 
 # (stdlib source, prompt tokens): the start of each file.
 DEFAULT_PROMPTS = ["textwrap.py:2048", "argparse.py:3072", "difflib.py:4096", "inspect.py:6144"]

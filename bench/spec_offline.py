@@ -33,10 +33,10 @@ from transformers.cache_utils import DynamicCache
 
 from bench import cli
 from bench.cli import log
-from bench.hf_eval import load_model, prefill
 from vericache_sglang.codec import CodecSpec, coarser
 from vericache_sglang.compress import parse_compressor_spec
-from vericache_sglang.prompts import file_prompt
+from vericache_tools.hf_eval import load_model, prefill
+from vericache_tools.prompts import file_prompt
 
 
 @torch.inference_mode()

@@ -23,10 +23,10 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 from bench import cli
 from bench.codec import kv_of
-from bench.hf_eval import load_model
 from vericache_sglang import models
-from vericache_sglang.prompts import file_ids
 from vericache_sglang.stores.file import VeriCacheFileStorage
+from vericache_tools.hf_eval import load_model
+from vericache_tools.prompts import file_ids
 
 
 def _store(directory: str) -> VeriCacheFileStorage:

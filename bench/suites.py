@@ -108,8 +108,8 @@ class Context:
 
     @cached_property
     def hf(self):
-        """The float32 HF model and tokenizer with the recording attention (bench.hf_eval)."""
-        from bench.hf_eval import load_model
+        """The float32 HF model and tokenizer with the recording attention (hf_eval)."""
+        from vericache_tools.hf_eval import load_model
 
         return load_model(self.model_dir)
 
@@ -137,7 +137,7 @@ def drafting(ctx: Context) -> dict:
     """E (tokens per verification) by draft length per compressor, from VeriCache rounds
     simulated on HF transformers (bench.spec_offline), each output checked against greedy."""
     from bench.spec_offline import greedy_reference, simulate
-    from vericache_sglang.prompts import file_prompt
+    from vericache_tools.prompts import file_prompt
 
     s = ctx.size
     model, tokenizer = ctx.hf
@@ -195,7 +195,7 @@ def serving(ctx: Context) -> dict:
     from bench import multilevel, request_types
     from bench.serving import COMMON, start_failure, vericache_figures
     from vericache_sglang import models
-    from vericache_sglang.server_process import ServerProcess, ServerStartError
+    from vericache_tools.server_process import ServerProcess, ServerStartError
 
     s = ctx.size
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
@@ -259,7 +259,7 @@ def perfmodel(ctx: Context) -> dict:
     """Predicted decode speed-up of VeriCache (host tier) over plain SGLang (full KV in HBM)
     and over the full KV streamed from host memory every step, on an H200 (Llama-3-8B),
     against context length, at the E and compression this run measured."""
-    from vericache_sglang import perfmodel as pm
+    from vericache_tools import perfmodel as pm
 
     drafted = [r for r in ctx.results.get("drafting", {}).get("result", [])
                if r["spec"] == "kivi:bits=4"]

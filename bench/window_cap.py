@@ -21,10 +21,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench import cli
-from bench.serving import COMMON, VERICACHE, request, send_together
+from bench.serving import COMMON, request, send_together
 from bench.tables import table
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import VERICACHE
+from vericache_tools.server_process import ServerProcess
 
 MAX_TOTAL_TOKENS = 32768
 FULL_KV_BYTES_PER_TOKEN = 46080

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from vericache_sglang import models
-from vericache_sglang.server_process import ServerProcess
+from vericache_tools.server_process import ServerProcess
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.server  # real launchers, stopped at startup or serving
+# Real launchers, stopped at startup or serving.
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("room_for_private_servers")]
 
 MISSING_TARGET = "sglang.srt.managers.scheduler.Scheduler.renamed_by_an_upgrade"
 """A hook target SGLang does not have, as after an upgrade renamed one VeriCache hooks."""

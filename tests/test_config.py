@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import vericache_server_args
+from tests.support.servers import vericache_server_args
 from vericache_sglang.config import VeriCacheConfig, VeriCacheConfigError, parse_size
 from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.drafter import DRAFT_VOCAB_FILE, check_draft_model

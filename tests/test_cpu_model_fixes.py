@@ -19,8 +19,8 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from tests.compress.helpers import attention
-from tests.interpreter import interpreter_only, rerun_under_interpreter
+from tests.support.compressor_oracles import attention
+from tests.support.interpreter import interpreter_only, rerun_under_interpreter
 from vericache_sglang.attention import features
 from vericache_sglang.cpu import moe_gate, softcap
 

@@ -18,7 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.interpreter import interpreter_only, rerun_under_interpreter
+from tests.support.interpreter import interpreter_only, rerun_under_interpreter
 from vericache_sglang.cpu import sgl_kernel_shim as shim
 
 

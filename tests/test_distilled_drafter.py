@@ -13,12 +13,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vericache_sglang import distill, models, prompts
+from vericache_sglang import models
 from vericache_sglang.speculative.drafter import (
     DRAFT_VOCAB_FILE,
     ModelDrafter,
     load_draft_model,
 )
+from vericache_tools import distill, prompts
 
 MIN_AGREEMENT = 0.52
 """Teacher-forced top-1 agreement on the first 1,500 tokens of argparse.py (never trained on);

@@ -1,13 +1,13 @@
-"""The docs stay in step with the code: docs/options.md is what `tools/gen_options.py` makes of
-the flag group, the README stays short with its quick start intact, and docs/index.md lists
-every page. No server, no model: seconds."""
+"""The docs stay in step with the code: docs/options.md is what `vericache_tools/gen_options.py`
+makes of the flag group, the README stays short with its quick start intact, and docs/index.md
+lists every page. No server, no model: seconds."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from tools import gen_options
+from vericache_tools import gen_options
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

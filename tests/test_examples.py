@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from examples import agent_loop, document_qa, frontend_program, openai_chat, tool_call
-from tests.conftest import stdlib_source
-from tests.speculative.identity import vericache_metrics
+from tests.support.identity import vericache_metrics
+from vericache_tools.prompts import stdlib_source
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 

@@ -9,15 +9,14 @@ starts no other server and runs before the session's servers are up (tests/conft
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import SERVER_ARGS
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.servers import SERVER_ARGS, ServerSpec
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -26,11 +25,10 @@ MODULES = ["textwrap", "argparse", "difflib", "inspect"]
 
 
 @pytest.fixture(scope="module")
-def hicache_server(demo_model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-hierarchical-cache",
-                                    "--hicache-ratio", "2"],
-                       max_total_tokens=DEVICE_TOKENS) as server:
-        yield server
+def hicache_server(demo_model: Path, servers) -> ServerProcess:
+    return servers(ServerSpec.of(demo_model, [*SERVER_ARGS, "--enable-hierarchical-cache",
+                                              "--hicache-ratio", "2"],
+                                 max_total_tokens=DEVICE_TOKENS))[0]
 
 
 def _request(ids: list[int]) -> dict:

@@ -1,13 +1,13 @@
-"""The sampled-output test (`tests/homogeneity.py`) can fail: it refuses draws too few to make a
-cell, rejects a skewed sampler at the draws `draws_needed` sizes for it, and passes samples of
-one distribution. Seeded draws: every outcome here is the same on every run."""
+"""The sampled-output test (`tests/support/homogeneity.py`) can fail: it refuses draws too few
+to make a cell, rejects a skewed sampler at the draws `draws_needed` sizes for it, and passes
+samples of one distribution. Seeded draws: every outcome here is the same on every run."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.homogeneity import MIN_CELL, TooFewDraws, draws_needed, power, two_sample_pvalue
+from tests.support.homogeneity import MIN_CELL, TooFewDraws, draws_needed, power, two_sample_pvalue
 
 ALPHA = 1e-3 / 4
 """The Mooncake sampled-request test's level per position (1e-3 over its 4 positions)."""

@@ -1,4 +1,4 @@
-"""vericache_sglang.perfmodel: hand-computed cases on a toy model and machine with round
+"""vericache_tools.perfmodel: hand-computed cases on a toy model and machine with round
 numbers (the arithmetic is written out), the model's limits and shapes, validation, the CLI."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vericache_sglang import perfmodel as pm
-from vericache_sglang.perfmodel import Geometry, Hardware, Workload
+from vericache_tools import perfmodel as pm
+from vericache_tools.perfmodel import Geometry, Hardware, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,7 +269,7 @@ def test_invalid_geometry_and_hardware():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vericache_sglang.perfmodel", *args],
+    return subprocess.run([sys.executable, "-m", "vericache_tools.perfmodel", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -306,7 +306,7 @@ def test_cli_help_and_table(tmp_path):
 
 def test_imports_without_torch_or_sglang():
     # it must run on a bare GPU machine and in the docs' examples
-    code = ("import sys, vericache_sglang.perfmodel; "
+    code = ("import sys, vericache_tools.perfmodel; "
             "print(sorted(m for m in ('torch', 'sglang', 'numpy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)

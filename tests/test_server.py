@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.conftest import HOST_BUDGET, stdlib_source
+from tests.support.servers import HOST_BUDGET
+from vericache_tools.prompts import stdlib_source
 
 pytestmark = pytest.mark.server
 

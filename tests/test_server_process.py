@@ -9,10 +9,10 @@ import socket
 import pytest
 import requests
 
-from tests.conftest import SERVER_ARGS
-from vericache_sglang.server_process import HOST, PORTS, ServerProcess, free_port
+from tests.support.servers import SERVER_ARGS
+from vericache_tools.server_process import HOST, PORTS, ServerProcess, free_port
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("room_for_private_servers")]
 
 
 def test_ports_are_drawn_below_the_ephemeral_range():

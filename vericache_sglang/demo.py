@@ -14,13 +14,13 @@ import time
 
 from vericache_sglang import models
 from vericache_sglang.cpu.finder import nvidia_gpu_present
-from vericache_sglang.prompts import stdlib_source
-from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.speculative.meta_info import (
     DRAFT_FORWARDS_KEY,
     DRAFTER_KEPT_KEY,
     DRAFTER_PROPOSED_KEY,
 )
+from vericache_tools.prompts import stdlib_source
+from vericache_tools.server_process import ServerProcess
 
 NOT_BUILT_YET = (
     "Not built yet: a remote full tier, a server streaming the host tier's full KV on a GPU "

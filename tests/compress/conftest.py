@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import hf_eval
-from vericache_sglang.prompts import stdlib_ids
+from vericache_tools import hf_eval
+from vericache_tools.prompts import stdlib_ids
 
 REAL_TOKENS = 640
 REAL_LAYERS = (0, 14, 29)

@@ -9,9 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.compressor_oracles import (
+    HELD_OUT,
+    attention,
+    compress_prefix,
+    key_groups,
+    quant_error_bound,
+)
 from vericache_sglang.compress import ComposedKV, QuantizedKV
-
-from .helpers import HELD_OUT, attention, compress_prefix, key_groups, quant_error_bound
 
 
 def _held_out_error(real_kv, spec: str) -> float:

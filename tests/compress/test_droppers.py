@@ -9,10 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.compressor_oracles import (
+    HELD_OUT,
+    attention,
+    budget,
+    compress_prefix,
+    prefix_scores,
+)
 from vericache_sglang.compress import DroppedKV, TokenDropper, param, parse_compressor_spec
 from vericache_sglang.compress.attention_probs import causal_attention_probs
-
-from .helpers import HELD_OUT, attention, budget, compress_prefix, prefix_scores
 
 SPECS = [
     "streaming:sink=4,ratio=0.25", "streaming:sink=16,ratio=0.02", "snapkv:ratio=0.25",

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import vericache_kernels as kernels
+from tests.support.compressor_oracles import attention
 from vericache_kernels import PackedKV, PagedKV
 from vericache_kernels.attention_ref import decode_attention_ref
-
-from .helpers import attention
 
 HEADS, Q_HEADS, DIM, GROUP = 3, 9, 64, 32
 V_GROUP = math.gcd(GROUP, DIM)

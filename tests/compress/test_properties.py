@@ -10,9 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vericache_sglang.compress import parse_compressor_spec
-
-from .helpers import (
+from tests.support.compressor_oracles import (
     attention,
     budget,
     key_groups,
@@ -20,6 +18,7 @@ from .helpers import (
     quant_error_bound,
     value_groups,
 )
+from vericache_sglang.compress import parse_compressor_spec
 
 DTYPES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 PROPS = settings(max_examples=30, deadline=None)

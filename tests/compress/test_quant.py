@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.compressor_oracles import key_groups, quant_error_bound, value_groups
 from vericache_sglang.compress import QuantizedKV, parse_compressor_spec
-
-from .helpers import key_groups, quant_error_bound, value_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUP = 32

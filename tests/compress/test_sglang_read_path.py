@@ -18,7 +18,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-from tests.compress.helpers import attention
+from tests.support.compressor_oracles import attention
 from vericache_sglang.attention.draft import DraftAttnBackend
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.tiers.compressed import CompressedTier

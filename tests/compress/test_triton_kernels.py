@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tests.interpreter import interpreter_only, rerun_under_interpreter  # noqa: E402
+from tests.support.interpreter import interpreter_only, rerun_under_interpreter  # noqa: E402
 from vericache_kernels.attention_ref import (  # noqa: E402
     decode_attention_ref,
     merge_attention,
@@ -167,7 +167,7 @@ def test_drafting_over_the_pool_through_the_kernel_equals_the_reference(interpre
     gives the same attention whether its reads run in the Triton kernel or the CPU kernel (which
     tests/tiers holds equal to each request's dequantized KIVI block)."""
     import vericache_kernels
-    from tests.tiers.test_compressed_pool import Setup
+    from tests.support.compressed_pool import Setup
 
     _, attention_triton = interpreted
     setup = Setup("kivi:bits=4", slots=2600, requests=3, context=1200)

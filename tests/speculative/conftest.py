@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.speculative.identity import LONG, PROMPTS, send_all
+from tests.support.identity import LONG, PROMPTS, send_all
 
 
 @pytest.fixture(scope="session")

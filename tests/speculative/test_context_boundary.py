@@ -12,15 +12,14 @@ The reservation's arithmetic does not depend on the compressor, so one server co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import payload
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import payload
+from tests.support.servers import SERVER_ARGS, ServerSpec
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -36,19 +35,24 @@ def _request(tokenizer, prompt_tokens: int, new_tokens: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain_answers(demo_model: Path, tokenizer) -> list[list[int]]:
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--context-length", str(CONTEXT)],
-                       max_total_tokens=8192) as server:
-        return [server.generate(_request(tokenizer, *r))["output_ids"] for r in REQUESTS]
+def boundary_servers(demo_model: Path, servers) -> list[ServerProcess]:
+    """Plain SGLang and VeriCache with a context of CONTEXT tokens, started side by side."""
+    bounded = [*SERVER_ARGS, "--context-length", str(CONTEXT)]
+    return servers(ServerSpec.of(demo_model, bounded, max_total_tokens=8192),
+                   ServerSpec.of(demo_model, [*bounded, "--enable-vericache",
+                                              "--vericache-compressor", "kivi:bits=4"],
+                                 max_total_tokens=8192))
 
 
 @pytest.fixture(scope="module")
-def boundary_server(demo_model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
-                                    "--context-length", str(CONTEXT),
-                                    "--vericache-compressor", "kivi:bits=4"],
-                       max_total_tokens=8192) as server:
-        yield server
+def plain_answers(boundary_servers, tokenizer) -> list[list[int]]:
+    return [boundary_servers[0].generate(_request(tokenizer, *r))["output_ids"]
+            for r in REQUESTS]
+
+
+@pytest.fixture(scope="module")
+def boundary_server(boundary_servers) -> ServerProcess:
+    return boundary_servers[1]
 
 
 def test_requests_ending_at_the_context_length(plain_answers, boundary_server, tokenizer):

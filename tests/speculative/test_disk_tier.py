@@ -15,18 +15,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
-from tests.speculative.identity import payload
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import payload
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS, ServerSpec
 from vericache_sglang.stores.file import DIGEST_BYTES
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -41,15 +40,14 @@ def disk_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def disk_server(demo_model: Path, disk_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, [
+def disk_server(demo_model: Path, disk_dir: Path, servers) -> ServerProcess:
+    return servers(ServerSpec.of(demo_model, [
         *SERVER_ARGS, "--max-running-requests", "4",
         "--enable-vericache", "--vericache-full-tier", "disk",
         "--vericache-disk-dir", str(disk_dir),
         "--vericache-full-tier-budget", str(HOST_TOKENS * FULL_KV_BYTES_PER_TOKEN),
         "--hicache-storage-prefetch-policy", "wait_complete",
-    ], max_total_tokens=8192, env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.05"}) as server:
-        yield server
+    ], max_total_tokens=8192, env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.05"}))[0]
 
 
 @pytest.fixture(scope="module")

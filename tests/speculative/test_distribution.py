@@ -9,7 +9,7 @@ sampling configuration, and one greedy request (which must equal plain greedy ou
 for token, while sharing rounds with sampled requests).
 
 For each VeriCache configuration, sampling configuration and output position, a two-sample
-chi-square test compares the token counts with plain SGLang's (`tests/homogeneity.py`: rare
+chi-square test compares the token counts with plain SGLang's (`tests/support/homogeneity.py`: rare
 tokens pooled into one cell, so every cell expects about 5 or more per server). Position 0
 comes from prefill on both servers (a control); positions 1.. come from VeriCache's draft and
 verify rounds. A draw fails when one of its M tests has p <
@@ -29,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import SERVER_ARGS
-from tests.homogeneity import two_sample_pvalue
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.homogeneity import two_sample_pvalue
+from tests.support.servers import SERVER_ARGS, ServerSpec
 from vericache_sglang.speculative.meta_info import DRAFTER_PROPOSED_KEY
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -70,7 +70,8 @@ def _answers(server: ServerProcess, ids: list[int]) -> dict[str, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[dict]]]:
+def runs(demo_models, plain_server: ServerProcess, server_pool
+         ) -> dict[str, dict[str, list[dict]]]:
     """Plain SGLang's answers to the batch, and each VeriCache configuration's: one level, and
     the untrained 4-layer draft model proposing under it (level 1 checks its point-mass
     proposals by speculative sampling, nearly always drawing from q without the proposal).
@@ -85,7 +86,7 @@ def runs(demo_models, plain_server: ServerProcess) -> dict[str, dict[str, list[d
                 "draft model": [*VERICACHE_ARGS, "--vericache-draft-model",
                                 str(demo_models.draft), "--vericache-drafter-max-length", "2"]}
     for name, args in variants.items():
-        with ServerProcess(demo_models.target, args) as server:
+        with server_pool.hold(ServerSpec.of(demo_models.target, args)) as (server,):
             began = time.monotonic()
             result[name] = _answers(server, ids)
             print(f"\n[{name}] batch answered in {time.monotonic() - began:.0f} s")

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import (
+from tests.support.identity import (
     assert_batch_identical,
     json_schema_request,
     levels,
@@ -23,7 +22,7 @@ from tests.speculative.identity import (
     send_all,
     stream_chunks,
 )
-from vericache_sglang.server_process import ServerProcess
+from tests.support.servers import SERVER_ARGS, ServerSpec
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -45,16 +44,17 @@ def _weight_bytes(model_dir: Path) -> tuple[int, int]:
     return embedding, other
 
 
-def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, prompt_ids):
+def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, prompt_ids,
+                                                         server_pool):
     """The 4-layer truncation proposes up to 3 tokens; two requests at once (32 tokens each:
     its proposals make every round slow): plain SGLang's tokens. Its proposals were checked and
     nearly all rejected. The server reports the draft model's device bytes, measured from its
     tensors: its layers, not the embedding it reads from the target."""
     names = ["heapq_400", "chat_fnmatch"]
-    with ServerProcess(demo_models.target, [
+    with server_pool.hold(ServerSpec.of(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model", str(demo_models.draft),
         "--vericache-drafter-max-length", "3",
-    ]) as server:
+    ])) as (server,):
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
                                      "kivi:bits=4 + 4-layer truncation", max_new_tokens=32)
         proposed = sum(levels(out)[1] for out in got)
@@ -68,7 +68,7 @@ def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, pro
 
 
 def test_the_distilled_drafter_on_a_token_dropping_tier(demo_models, plain, prompt_ids,
-                                                        tokenizer):
+                                                        tokenizer, server_pool):
     """The shipped drafter under SnapKV keeping half the tokens: three real prompts at once,
     then a stop string, a JSON schema (proposals checked under the schema's mask) and a
     streamed request together: plain SGLang's tokens, and the drafter's proposals were kept
@@ -78,10 +78,10 @@ def test_the_distilled_drafter_on_a_token_dropping_tier(demo_models, plain, prom
     stopped = payload(prompt_ids["csv_700"], "code", max_new_tokens=96, stop=["\n\n"])
     constrained = json_schema_request(tokenizer)
     streamed = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
-    with ServerProcess(demo_models.target, [
+    with server_pool.hold(ServerSpec.of(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.5",
         "--vericache-draft-model", str(demo_models.drafter),
-    ]) as server:
+    ])) as (server,):
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
                                      "snapkv:ratio=0.5 + distilled drafter")
         with ThreadPoolExecutor(2) as pool:

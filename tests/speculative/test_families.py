@@ -1,9 +1,9 @@
 """Every model family SGLang users serve: VeriCache's tokens equal plain SGLang's, or the
 server refuses at startup with one line.
 
-Each family is a tiny seeded random-weight model (`tests/families.py`) carrying its attention
-features (sliding windows of 128 tokens, Gemma 2's softcapping, experts). Plain SGLang and
-VeriCache (every default) serve it side by side in float32; three greedy requests of 640-token
+Each family is a tiny seeded random-weight model (`tests/support/families.py`) carrying its
+attention features (sliding windows of 128 tokens, Gemma 2's softcapping, experts). Plain SGLang
+and VeriCache (every default) serve it side by side in float32; three greedy requests of 640-token
 real prompts (crossing the windows and many KIVI groups) run together for 48 tokens, and the
 outputs must be equal token for token. Where plain SGLang needs the CPU support's fixes to run
 a family as the model defines it (softcapping in torch_native, Qwen2-MoE's shared-expert
@@ -13,20 +13,21 @@ reference is the model itself.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.families import FAMILIES, build
-from tests.speculative.identity import send_all, stats
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess, ServerStartError
+from tests.support.families import FAMILIES, build
+from tests.support.identity import send_all, stats
+from tests.support.servers import ServerSpec
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import server_args
+from vericache_tools.server_process import ServerProcess, ServerStartError
 
 pytestmark = pytest.mark.server
 
-ARGS = ["--dtype", "float32", "--random-seed", "0", "--disable-overlap-schedule",
-        "--max-running-requests", "4", "--skip-server-warmup"]
+ARGS = server_args(chunked_prefill_size=None, max_running_requests=4, overlap=False,
+                   warmup=False)
 NEW_TOKENS = 48
 SOURCES = (("textwrap", 0), ("argparse", 3000), ("difflib", 1000))
 PROMPT_TOKENS = 640
@@ -73,21 +74,17 @@ def _config(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", SERVED)
-def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts):
+def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts, server_pool):
     path = build(name, demo_model)
-    plain = ServerProcess(path, ARGS, max_total_tokens=8192)
-    vericache = ServerProcess(path, [*ARGS, "--enable-vericache"], max_total_tokens=8192)
     payloads = [_payload(ids) for ids in prompts]
-    # Started and stopped side by side (mostly imports and teardown), asked one after the
-    # other (each server's forwards use both cores).
-    with ThreadPoolExecutor(2) as pool:
-        try:
-            list(pool.map(ServerProcess.start, (plain, vericache)))
-            want = send_all(plain, payloads)
-            got = send_all(vericache, payloads)
-            memory = vericache.server_info()["vericache"]["memory"]
-        finally:
-            list(pool.map(ServerProcess.stop, (plain, vericache)))
+    # Started side by side, asked one after the other (each server's forwards use both cores);
+    # the pool stops them when the next family's servers need the room.
+    with server_pool.hold(ServerSpec.of(path, ARGS, max_total_tokens=8192),
+                          ServerSpec.of(path, [*ARGS, "--enable-vericache"],
+                                        max_total_tokens=8192)) as (plain, vericache):
+        want = send_all(plain, payloads)
+        got = send_all(vericache, payloads)
+        memory = vericache.server_info()["vericache"]["memory"]
     for i, (out, ref) in enumerate(zip(got, want, strict=True)):
         assert out["output_ids"] == ref["output_ids"], f"{name}: prompt {i} differs"
         # A model that repeats one token compares nothing.
@@ -117,11 +114,12 @@ def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts):
             f"{name}: plain SGLang's reference is not the model's own greedy output")
 
 
-def test_mla_is_refused_with_one_line(demo_model: Path):
+def test_mla_is_refused_with_one_line(demo_model: Path, server_pool):
     """DeepSeek's multi-head latent attention: no compressed latent KV yet, so the server does
     not start, and says why in one line (plain SGLang's CPU engine cannot prefill MLA either:
     torch_native's MLA extend fails on a shape)."""
     path = build("deepseek-v2", demo_model)
+    server_pool.make_room()
     server = ServerProcess(path, [*ARGS, "--enable-vericache"], max_total_tokens=8192)
     with pytest.raises(ServerStartError) as failed:
         server.start(timeout=240, attempts=1)

@@ -9,16 +9,15 @@ of eight running requests; the full KV lives in the host pool beside it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
-from tests.speculative.identity import payload, send_all
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import payload, send_all
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS, ServerSpec
 from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -28,12 +27,11 @@ MODULES = ["textwrap", "argparse", "difflib", "inspect", "typing", "functools", 
 
 
 @pytest.fixture(scope="module")
-def host_server(demo_model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
-                                    "--vericache-full-tier", "host",
-                                    "--max-running-requests", "8"],
-                       max_total_tokens=DEVICE_TOKENS) as server:
-        yield server
+def host_server(demo_model: Path, servers) -> ServerProcess:
+    return servers(ServerSpec.of(demo_model, [*SERVER_ARGS, "--enable-vericache",
+                                              "--vericache-full-tier", "host",
+                                              "--max-running-requests", "8"],
+                                 max_total_tokens=DEVICE_TOKENS))[0]
 
 
 def _state(server: ServerProcess) -> dict:

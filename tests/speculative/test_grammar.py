@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.speculative.identity import CONSTRAINTS
+from tests.support.identity import CONSTRAINTS
 from vericache_sglang.speculative.grammar import RoundGrammar
 
 VOCAB = 49152

@@ -12,13 +12,11 @@ outlines has no rollback and is refused at startup (test_cli.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import (
+from tests.support.identity import (
     CONSTRAINED_PROMPT,
     CONSTRAINTS,
     levels,
@@ -26,7 +24,8 @@ from tests.speculative.identity import (
     send_all,
     stats,
 )
-from vericache_sglang.server_process import ServerProcess
+from tests.support.servers import SERVER_ARGS, ServerSpec
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -35,22 +34,23 @@ LLGUIDANCE = [*SERVER_ARGS, "--grammar-backend", "llguidance"]
 
 
 @pytest.fixture(scope="module")
-def llguidance_plain(demo_model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, LLGUIDANCE) as plain:
-        yield plain
+def llguidance_servers(demo_model: Path, servers) -> list[ServerProcess]:
+    """Plain SGLang and VeriCache on llguidance, started side by side."""
+    return servers(ServerSpec.of(demo_model, LLGUIDANCE),
+                   ServerSpec.of(demo_model, [*LLGUIDANCE, "--enable-vericache",
+                                              "--vericache-drafter", "ngram"]))
 
 
-def test_llguidance_grammars_draft_and_equal_plain(llguidance_plain, demo_model, tokenizer):
+def test_llguidance_grammars_draft_and_equal_plain(llguidance_servers, tokenizer):
     """A JSON schema and a regex, in one batch: plain SGLang's tokens under llguidance, and
     each request drafted (so its grammar was advanced over drafts and rolled back), over
     proposals its masks checked (a forbidden proposal never reaches llguidance's matcher,
     which cannot recover from one)."""
     batch = [payload(CONSTRAINED_PROMPT(tokenizer), "chat", max_new_tokens=40, **constraint)
              for constraint in CONSTRAINTS.values()]
-    expected = send_all(llguidance_plain, batch)
-    with ServerProcess(demo_model, [*LLGUIDANCE, "--enable-vericache",
-                                    "--vericache-drafter", "ngram"]) as vericache:
-        got = send_all(vericache, batch)
+    plain, vericache = llguidance_servers
+    expected = send_all(plain, batch)
+    got = send_all(vericache, batch)
     for name, want, out in zip(CONSTRAINTS, expected, got, strict=True):
         assert out["output_ids"] == want["output_ids"], name
         assert out["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"], name

@@ -1,30 +1,28 @@
 """Lossless with a token-dropping tier and a short fixed draft length: SnapKV keeping 25 % of
-the tokens, 8 drafts per round, many of them rejected. Same prompts and checks as the 4-bit
-KIVI configuration in test_identity.py (on eight of its twelve prompts); the server lives only
-for this module."""
+the tokens, 8 drafts per round, many of them rejected, under the n-gram drafter proposing up
+to 4 tokens (VeriCache's default drafter without a draft model). Same prompts and checks as
+the 4-bit KIVI configuration in test_identity.py (on eight of its twelve prompts)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SERVER_ARGS
-from tests.speculative.identity import assert_batch_identical, payload, stats
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import assert_batch_identical, levels, payload, stats
+from tests.support.servers import SERVER_ARGS, ServerSpec
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
-def snapkv_server(demo_model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(demo_model, [
+def snapkv_server(demo_model: Path, servers) -> ServerProcess:
+    return servers(ServerSpec.of(demo_model, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.25",
         "--vericache-draft-length", "8", "--vericache-min-draft-length", "8",
-        "--vericache-max-draft-length", "8",
-    ]) as server:
-        yield server
+        "--vericache-max-draft-length", "8", "--vericache-drafter-max-length", "4",
+    ]))[0]
 
 
 # Eight of the twelve prompts (two of the four long ones; argparse_2300 runs alone below): the
@@ -35,8 +33,9 @@ BATCH = ["textwrap_2000", "chat_json_decoder_2100", "heapq_400", "bisect_300", "
 
 
 def test_eight_real_prompts_in_one_batch(snapkv_server, plain, prompt_ids):
-    assert_batch_identical(snapkv_server, plain, {name: prompt_ids[name] for name in BATCH},
-                           "snapkv:ratio=0.25, k=8")
+    got = assert_batch_identical(snapkv_server, plain, {name: prompt_ids[name] for name in BATCH},
+                                 "snapkv:ratio=0.25, k=8 + ngram")
+    assert sum(levels(out)[2] for out in got) > 0  # the drafter's proposals were kept
 
 
 def test_one_long_request_alone(snapkv_server, plain, prompt_ids):

@@ -34,9 +34,10 @@ from pathlib import Path
 import pytest
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS, stdlib_ids
-from tests.speculative.identity import PROMPTS, payload, send_all, stats, vericache_metrics
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import PROMPTS, payload, send_all, stats, vericache_metrics
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -83,7 +84,8 @@ def paged_requests(tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain_answers(demo_model: Path, paged_requests) -> dict:
+def plain_answers(demo_model: Path, paged_requests, server_pool) -> dict:
+    server_pool.make_room()
     with ServerProcess(demo_model, PAGED_ARGS) as server:
         return {"batch": send_all(server, paged_requests["batch"]),
                 "reuse": server.generate(paged_requests["reuse"])}
@@ -102,10 +104,12 @@ def store_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir) -> dict:
+def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir,
+                      server_pool) -> dict:
     """Server A's answers, its `/server_info`, and the files of the stored prompt's pages,
     written before A stopped."""
     del plain_answers  # asked first, and its server stopped
+    server_pool.make_room()
     with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
                        ) as server:
         answers = {"batch": send_all(server, paged_requests["batch"]),
@@ -118,12 +122,14 @@ def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir
 
 
 @pytest.fixture(scope="module")
-def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir) -> dict:
+def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir,
+                    server_pool) -> dict:
     """Server B's answer to the reused request, its prefix stored by A (A has stopped). B runs
     with `--vericache-store-reads auto`: knowing no read rate yet, it reads the prefix (which
     measures one); after a cache flush it answers the request again, its stored prefix now read
     or recomputed by the faster of the rates it measured (`recomputed`)."""
     del vericache_answers
+    server_pool.make_room()
     with ServerProcess(demo_model, [
         *PAGED_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
         "--vericache-draft-length", "16", "--enable-hierarchical-cache",

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.stores.test_pending import PAGE, _HostPool, _page, _slots
+from tests.support.host_pools import SMALL_PAGE, page_slots, small_host_pool, small_page
 from vericache_sglang.speculative.parking import Parking
 from vericache_sglang.stores.pending import PendingExact, Settled
 
 CONTEXT = torch.arange(96, 120)
-"""The parked prefill's prefix slots: they hold the page loaded at `_slots(100)`."""
+"""The parked prefill's prefix slots: they hold the page loaded at `page_slots(100)`."""
 
 
 class _Drafting:
@@ -36,10 +36,11 @@ class _Drafting:
 @pytest.fixture
 def world():
     registry = PendingExact()
-    registry.attach(_HostPool(), lambda flat: flat.reshape(2, 1, PAGE, 1, 1), deadline=30.0)
+    registry.attach(small_host_pool(), lambda flat: flat.reshape(2, 1, SMALL_PAGE, 1, 1),
+                    deadline=30.0)
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(100), PAGE)
+    registry.loaded(["a"], page_slots(100), SMALL_PAGE)
     writes: list[Settled] = []
     draftings: list[_Drafting] = []
 
@@ -68,10 +69,10 @@ def test_a_prefill_over_an_arriving_page_parks_and_drafts_between_steps(world):
     drafting, = world.draftings
     assert drafting.steps == 2  # then done: no step past what the batch may verify
     assert parking.totals["prefills_parked"] == 1 and parking.totals["parked_draft_steps"] == 2
-    world.exact.set_result((_page(7.0), None))
+    world.exact.set_result((small_page(7.0), None))
     parking.between_rounds()  # writes the page that arrived
     (slots, _), = world.writes[-1].writes
-    assert slots.tolist() == _slots(100).tolist()
+    assert slots.tolist() == page_slots(100).tolist()
     assert parking.take(nothing_runs=False) is world.batch
     assert parking.parked is None
     assert parking.claim(SimpleNamespace()) is None  # another batch: not its drafting
@@ -82,7 +83,7 @@ def test_the_parked_prefill_takes_its_drafting_to_its_forward(world):
     parking = world.parking
     parking.park(world.batch)
     parking.between_rounds()
-    world.exact.set_result((_page(7.0), None))
+    world.exact.set_result((small_page(7.0), None))
     assert parking.take(nothing_runs=False) is world.batch
     assert parking.claim(world.batch) is world.draftings[0]
 
@@ -102,4 +103,4 @@ def test_past_the_deadline_its_pages_count_as_failed(world):
     assert registry.timed_out == 1 and not registry.arriving_in(CONTEXT)
     assert registry.waiting_in(CONTEXT)  # failed: its forward recomputes the page
     settled = registry.settle(context=CONTEXT, block=False)
-    assert list(settled.failed.values())[0].tolist() == _slots(100).tolist()
+    assert list(settled.failed.values())[0].tolist() == page_slots(100).tolist()

@@ -23,7 +23,7 @@ from scipy import stats
 from sglang.srt.layers import sampler as sglang_sampler
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
-from tests.conftest import vericache_server_args
+from tests.support.servers import vericache_server_args
 from vericache_sglang.speculative import algorithm
 from vericache_sglang.speculative.sampling import (
     SamplingRows,

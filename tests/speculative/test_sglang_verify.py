@@ -19,15 +19,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.interpreter import INTERPRETING, interpreter_only, rerun_under_interpreter
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.interpreter import INTERPRETING, interpreter_only, rerun_under_interpreter
+from tests.support.servers import ServerSpec
 from vericache_sglang.speculative.backends import verifies_natively
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import server_args
+from vericache_tools.server_process import ServerProcess
 
 POOL = 1024
-TRITON_SERVER_ARGS = ["--dtype", "float32", "--random-seed", "0", "--max-running-requests", "4",
-                      "--disable-overlap-schedule", "--attention-backend", "triton",
-                      "--triton-attention-num-kv-splits", "1", "--skip-server-warmup"]
+TRITON_SERVER_ARGS = [*server_args(chunked_prefill_size=None, max_running_requests=4,
+                                  overlap=False, warmup=False),
+                      "--attention-backend", "triton", "--triton-attention-num-kv-splits", "1"]
 """Plain SGLang on its Triton backend, on CPU with the kernels interpreted: slow (seconds per
 decode step), so one KV split per request, no warm-up request, short prompts and outputs."""
 NEW_TOKENS = 8
@@ -50,7 +52,8 @@ def test_sglang_verify_under_the_interpreter() -> None:
 @pytest.mark.server
 @pytest.mark.skipif(INTERPRETING, reason="the servers interpret their kernels themselves")
 def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(demo_model,
-                                                                             hf_reference):
+                                                                             hf_reference,
+                                                                             server_pool):
     """Two code prompts past the compressed tier's recent window of 32 tokens (the drafts
     read 2-bit pages, so some are rejected), greedy, batched: VeriCache verifies through
     SGLang's Triton backend with the full KV in the device pool, and through SGLang's Triton
@@ -72,20 +75,22 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
                "host": ([*vericache, "--vericache-full-tier", "host"],
                         "StagedFullKVAttnBackend (SGLang's Triton extend kernel)")}
 
-    def answers(name: str) -> list[dict]:
-        extra, verify_backend = servers[name]
-        with ServerProcess(demo_model, [*TRITON_SERVER_ARGS, *extra], env=env) as server:
-            with ThreadPoolExecutor(len(payloads)) as pool:
-                out = list(pool.map(server.generate, payloads))
-            if verify_backend is not None:
-                memory = server.server_info()["vericache"]["memory"]
-                assert memory["verify_backend"] == verify_backend
+    def answers(server: ServerProcess, verify_backend: str | None) -> list[dict]:
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            out = list(pool.map(server.generate, payloads))
+        if verify_backend is not None:
+            memory = server.server_info()["vericache"]["memory"]
+            assert memory["verify_backend"] == verify_backend
         return out
 
-    # The three servers side by side (three at most, none other up in this module): each
-    # interprets its kernels in one Python thread, so two cores serve them together.
-    with ThreadPoolExecutor(len(servers)) as pool:
-        outputs = dict(zip(servers, pool.map(answers, servers), strict=True))
+    # The three servers side by side: each interprets its kernels in one Python thread, so
+    # two cores serve them together.
+    specs = [ServerSpec.of(demo_model, [*TRITON_SERVER_ARGS, *extra], env=env)
+             for extra, _ in servers.values()]
+    with server_pool.hold(*specs) as started, ThreadPoolExecutor(len(servers)) as pool:
+        outputs = dict(zip(servers, pool.map(answers, started,
+                                             [backend for _, backend in servers.values()]),
+                           strict=True))
     for name in ("device", "host"):
         for plain, served in zip(outputs["plain"], outputs[name], strict=True):
             assert len(plain["output_ids"]) == NEW_TOKENS
@@ -200,7 +205,7 @@ def test_triton_backend_verifies_a_chain_causally_and_writes_it(sglang_runner, p
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from triton.runtime.interpreter import InterpretedFunction
 
-    from tests.compress.helpers import attention
+    from tests.support.compressor_oracles import attention
 
     assert isinstance(extend_attention._fwd_kernel, InterpretedFunction)
     chains = Chains(sglang_runner, prefixes, width, seed=width)
@@ -283,7 +288,7 @@ def test_the_host_tiers_verify_reads_staging_units_by_index(sglang_runner, trito
     Triton server through SGLang's Triton extend kernel (each request's staged prefix by
     index, its chain causally), else through the batched SDPA. Three requests over two units;
     every chain token's attention is its request's prefix and chain up to itself."""
-    from tests.compress.helpers import attention
+    from tests.support.compressor_oracles import attention
     from vericache_sglang.attention.full_tier import StagedFullKVAttnBackend
     from vericache_sglang.tiers.staging import StagingArea
 

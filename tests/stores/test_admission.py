@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import vericache_server_args
-from tests.stores.test_file_store import PAGE, _host_pool, _page, _storage
+from tests.support.host_pools import TOKEN_PAGE, HostPool, file_storage, token_page
+from tests.support.servers import vericache_server_args
 from vericache_sglang.config import VeriCacheConfig
 from vericache_sglang.stores import file as file_store
 from vericache_sglang.stores import pages
@@ -115,14 +115,14 @@ def test_the_store_takes_the_choice_from_its_servers_flags(tmp_path: Path, monke
     monkeypatch.setattr(file_store, "ADMISSION", choice)
     config = VeriCacheConfig.build({"enable_vericache": True, "vericache_store_reads": reads})
     monkeypatch.setattr(pages, "served_config", lambda: config)
-    storage = _storage(tmp_path / "pages")
-    storage.register_mem_pool_host(_host_pool("layer_first", torch.float32, page_size=1))
+    storage = file_storage(tmp_path / "pages")
+    storage.register_mem_pool_host(HostPool("layer_first", torch.float32, page_size=1))
     assert choice.enabled == (reads == "auto")
     keys = [f"{i:064x}" for i in range(3)]
     for i, key in enumerate(keys):
-        assert storage.set(key, _page(50 + i))
+        assert storage.set(key, token_page(50 + i))
     assert storage.batch_exists(keys) == 3  # no rate measured: read
-    assert storage.get(keys[0], torch.empty(PAGE)) is not None
+    assert storage.get(keys[0], torch.empty(TOKEN_PAGE)) is not None
     assert choice.read.seconds_per_token is not None  # the read was measured
     choice.record_prefill(1, 1e-12)  # a prefill faster than any read
     expected = [0, 3] if reads == "auto" else [3, 3]  # declined, then a probe

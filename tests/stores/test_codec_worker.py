@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.stores.test_file_store import _flat_page, _host_pool
+from tests.support.host_pools import HostPool, flat_page
 from vericache_sglang.codec import StreamError, decode_chunk
 from vericache_sglang.stores.codec_worker import CODEC_WORKER, CodecPool, CodecTimeout
 from vericache_sglang.stores.pages import PageCoder
@@ -25,9 +25,9 @@ from vericache_sglang.stores.pages import PageCoder
 def page(request, model_kv) -> tuple[PageCoder, bytes, torch.Tensor]:
     """A coder for 64-token pages of `dtype`, one page of real KV (tokens 64-127) coded, and
     that page flat."""
-    coder = PageCoder.for_pool(_host_pool("layer_first", request.param), "kivi:bits=4")
+    coder = PageCoder.for_pool(HostPool("layer_first", request.param), "kivi:bits=4")
     keys, values = (t[:, 64:128].to(request.param) for t in model_kv)
-    flat = _flat_page(keys, values, "layer_first")
+    flat = flat_page(keys, values, "layer_first")
     return coder, coder.encode(flat, "page-key"), flat
 
 

@@ -17,6 +17,15 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
+from tests.support.host_pools import (
+    TOKEN_PAGE,
+    HostPool,
+    bits,
+    file_storage,
+    flat_page,
+    page_file,
+    token_page,
+)
 from vericache_sglang import stores
 from vericache_sglang.config import VeriCacheConfig, attach_config, get_config
 from vericache_sglang.stores import file as file_store
@@ -24,28 +33,10 @@ from vericache_sglang.stores.file import DIGEST_BYTES, VeriCacheFileStorage
 from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.tiers import disk, placement
 
-PAGE = 2 * 30 * 3 * 64  # one token of the demo model's K and V, every layer
-
-
-def _storage(directory: Path) -> VeriCacheFileStorage:
-    config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="demo", extra_config={"file_storage_path": str(directory)})
-    return VeriCacheFileStorage(config)
-
-
-def _page(seed: int) -> torch.Tensor:
-    return torch.randn(PAGE, generator=torch.Generator().manual_seed(seed))
-
-
-def _file(storage: VeriCacheFileStorage, key: str) -> Path:
-    return Path(storage._path(key))
-
 
 @pytest.fixture
 def storage(tmp_path: Path) -> VeriCacheFileStorage:
-    return _storage(tmp_path / "pages")
+    return file_storage(tmp_path / "pages")
 
 
 def _faults(kind: str) -> int:
@@ -53,57 +44,57 @@ def _faults(kind: str) -> int:
 
 
 def test_a_page_reads_back_exactly(storage):
-    page = _page(0)
+    page = token_page(0)
     assert storage.set("a" * 64, page)
-    assert _file(storage, "a" * 64).stat().st_size == page.numel() * 4 + DIGEST_BYTES
+    assert page_file(storage, "a" * 64).stat().st_size == page.numel() * 4 + DIGEST_BYTES
     assert storage.batch_exists(["a" * 64, "b" * 64]) == 1
-    target = torch.empty(PAGE)
+    target = torch.empty(TOKEN_PAGE)
     assert storage.get("a" * 64, target) is target
     assert torch.equal(target, page)
 
 
 def test_a_corrupted_page_is_a_counted_miss_and_is_removed(storage):
     key = "c" * 64
-    storage.set(key, _page(1))
-    path = _file(storage, key)
+    storage.set(key, token_page(1))
+    path = page_file(storage, key)
     data = bytearray(path.read_bytes())
     data[1000] ^= 0x01  # one bit of one float
     path.write_bytes(bytes(data))
     before = _faults("corrupt")
-    assert storage.get(key, torch.empty(PAGE)) is None
+    assert storage.get(key, torch.empty(TOKEN_PAGE)) is None
     assert _faults("corrupt") == before + 1
     assert not path.exists() and not storage.exists(key)
 
 
 def test_a_page_copied_over_another_fails_its_digest(storage):
-    storage.set("d" * 64, _page(2))
-    storage.set("e" * 64, _page(3))
-    _file(storage, "e" * 64).write_bytes(_file(storage, "d" * 64).read_bytes())
+    storage.set("d" * 64, token_page(2))
+    storage.set("e" * 64, token_page(3))
+    page_file(storage, "e" * 64).write_bytes(page_file(storage, "d" * 64).read_bytes())
     before = _faults("corrupt")
-    assert storage.get("e" * 64, torch.empty(PAGE)) is None
+    assert storage.get("e" * 64, torch.empty(TOKEN_PAGE)) is None
     assert _faults("corrupt") == before + 1
 
 
-@pytest.mark.parametrize("size", [0, PAGE * 4 - 8, PAGE * 4 + DIGEST_BYTES + 8])
+@pytest.mark.parametrize("size", [0, TOKEN_PAGE * 4 - 8, TOKEN_PAGE * 4 + DIGEST_BYTES + 8])
 def test_a_page_of_the_wrong_length_is_a_counted_miss(storage, size):
     key = "f" * 64
-    storage.set(key, _page(4))
-    path = _file(storage, key)
+    storage.set(key, token_page(4))
+    path = page_file(storage, key)
     path.write_bytes((path.read_bytes() + bytes(64))[:size])
     before = _faults("short")
-    assert storage.get(key, torch.empty(PAGE)) is None
+    assert storage.get(key, torch.empty(TOKEN_PAGE)) is None
     assert _faults("short") == before + 1
 
 
 def test_a_deleted_page_is_a_counted_miss(storage):
     keys = ["1" * 64, "2" * 64, "3" * 64]
     for i, key in enumerate(keys):
-        storage.set(key, _page(10 + i))
-    os.remove(_file(storage, keys[1]))
+        storage.set(key, token_page(10 + i))
+    os.remove(page_file(storage, keys[1]))
     before = _faults("missing")
     assert storage.batch_exists(keys) == 1  # the prefix stops at the lost page
     assert _faults("missing") == before + 1
-    assert storage.get(keys[1], torch.empty(PAGE)) is None
+    assert storage.get(keys[1], torch.empty(TOKEN_PAGE)) is None
 
 
 def test_a_write_that_fails_is_counted_and_nothing_is_read_back(storage):
@@ -113,10 +104,10 @@ def test_a_write_that_fails_is_counted_and_nothing_is_read_back(storage):
     directory.rmdir()
     directory.write_bytes(b"not a directory")  # writes under it fail (as on a broken mount)
     before = _faults("write_error")
-    assert not storage.set("9" * 64, _page(20))
+    assert not storage.set("9" * 64, token_page(20))
     assert _faults("write_error") == before + 1
     assert not storage.exists("9" * 64)
-    assert storage.get("9" * 64, torch.empty(PAGE)) is None
+    assert storage.get("9" * 64, torch.empty(TOKEN_PAGE)) is None
 
 
 def _server_args(**values) -> SimpleNamespace:
@@ -185,33 +176,17 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_refuses_pages_and_keeps_the_ones_it_has(full_disk):
-    storage = _storage(full_disk)
-    pages = [_page(30 + i) for i in range(12)]  # 12 x 45 KiB > 256 KiB
+    storage = file_storage(full_disk)
+    pages = [token_page(30 + i) for i in range(12)]  # 12 x 45 KiB > 256 KiB
     stored = [storage.set(f"{i:064x}", page) for i, page in enumerate(pages)]
     assert stored[0] and not stored[-1]
     assert _faults("write_error") >= 1
     for i, (page, ok) in enumerate(zip(pages, stored, strict=True)):
-        target = torch.empty(PAGE)
+        target = torch.empty(TOKEN_PAGE)
         if ok:
             assert torch.equal(storage.get(f"{i:064x}", target), page)
         else:
             assert not storage.exists(f"{i:064x}")
-
-
-def _host_pool(layout: str, dtype: torch.dtype, page_size: int = 64) -> SimpleNamespace:
-    """What the store reads of SGLang's MHA host pool: the demo model's geometry."""
-    return SimpleNamespace(layout=layout, page_size=page_size, layer_num=30, head_num=3,
-                           head_dim=64, dtype=dtype, size=16 * page_size)
-
-
-def _flat_page(keys: torch.Tensor, values: torch.Tensor, layout: str) -> torch.Tensor:
-    """[L, page, H, D] K and V as the host pool's flat page of `layout`."""
-    kv = torch.stack([keys, values])
-    return (kv if layout == "layer_first" else kv.transpose(1, 2)).contiguous().flatten()
-
-
-def _bits(page: torch.Tensor) -> torch.Tensor:
-    return page.view(torch.int16 if page.element_size() == 2 else torch.int32)
 
 
 @pytest.fixture(params=[("layer_first", torch.float32), ("page_first", torch.bfloat16)],
@@ -220,24 +195,24 @@ def coded(request, tmp_path, model_kv):
     """A store of 64-token pages over a host pool of the given layout and dtype, and a page of
     real KV in it (tokens 64-127)."""
     layout, dtype = request.param
-    storage = _storage(tmp_path / "pages")
-    storage.register_mem_pool_host(_host_pool(layout, dtype))
+    storage = file_storage(tmp_path / "pages")
+    storage.register_mem_pool_host(HostPool(layout, dtype))
     keys, values = (t[:, 64:128].to(dtype) for t in model_kv)
-    return storage, _flat_page(keys, values, layout)
+    return storage, flat_page(keys, values, layout)
 
 
 def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exactly(coded):
     storage, page = coded
     before = STORE_STATS.snapshot()["io"]
     assert storage.set("a" * 64, page)
-    data = _file(storage, "a" * 64).read_bytes()
+    data = page_file(storage, "a" * 64).read_bytes()
     raw = page.numel() * page.element_size()
     assert data[:4] == b"VCKV"
     # The exact KV, entropy coded: measured 3.5 bytes per float32 element, 1.4 per bf16.
     assert len(data) < (0.92 if page.dtype == torch.float32 else 0.75) * raw, len(data) / raw
     target = torch.zeros_like(page)
     assert storage.get("a" * 64, target) is target
-    assert torch.equal(_bits(target), _bits(page))
+    assert torch.equal(bits(target), bits(page))
     after = STORE_STATS.snapshot()["io"]
     assert after["written_coded_bytes"] - before.get("written_coded_bytes", 0) == len(data)
     assert after["read_coded_pages"] - before.get("read_coded_pages", 0) == 1
@@ -280,14 +255,14 @@ def test_a_batch_reads_pages_side_by_side_up_to_the_first_missing_one(coded):
     pages = [page.roll(7 * i) for i in range(5)]
     for key, value in zip(keys, pages, strict=True):
         assert storage.set(key, value)
-    _file(storage, keys[3]).unlink()
+    page_file(storage, keys[3]).unlink()
     before, missing = STORE_STATS.snapshot()["io"], _faults("missing")
     targets = [torch.zeros_like(page) for _ in keys]
     got = storage.batch_get(keys, targets)
     assert [t is target for t, target in zip(got[:3], targets[:3], strict=True)] == [True] * 3
     assert got[3:] == [None, None]
     for target, value in zip(targets[:3], pages[:3], strict=True):
-        assert torch.equal(_bits(target), _bits(value))
+        assert torch.equal(bits(target), bits(value))
     assert overlap["peak"] >= 2  # several pages in flight at once
     assert STORE_STATS.snapshot()["io"]["read_coded_pages"] - before.get("read_coded_pages", 0) == 3
     assert _faults("missing") == missing + 1
@@ -301,14 +276,14 @@ def test_a_damaged_stream_is_a_counted_miss(coded, damage):
     key, other = "b" * 64, "c" * 64
     storage.set(key, page)
     storage.set(other, page.roll(1))
-    path = _file(storage, key)
+    path = page_file(storage, key)
     data = bytearray(path.read_bytes())
     if damage == "truncated":
         data = data[: len(data) - 100]
     elif damage == "bit flipped":
         data[len(data) // 2] ^= 0x10
     else:
-        data = bytearray(_file(storage, other).read_bytes())
+        data = bytearray(page_file(storage, other).read_bytes())
     path.write_bytes(bytes(data))
     kind = "short" if damage == "truncated" else "corrupt"
     before = _faults(kind)
@@ -318,12 +293,12 @@ def test_a_damaged_stream_is_a_counted_miss(coded, damage):
     assert path.exists() == storage.exists(key) == (kind == "short")
 
 
-@pytest.mark.parametrize("pool", [_host_pool("layer_first", torch.float32, page_size=1),
-                                  _host_pool("page_first_direct", torch.float32)],
+@pytest.mark.parametrize("pool", [HostPool("layer_first", torch.float32, page_size=1),
+                                  HostPool("page_first_direct", torch.float32)],
                          ids=["pages of one token", "a layout the coder does not read"])
 def test_pages_the_codec_cannot_take_are_stored_raw_with_a_digest(tmp_path, pool):
-    storage = _storage(tmp_path / "pages")
+    storage = file_storage(tmp_path / "pages")
     storage.register_mem_pool_host(pool)
-    page = _page(40)[: 2 * 30 * pool.page_size * 3 * 64]
+    page = token_page(40)[: TOKEN_PAGE * pool.page_size]
     assert storage.set("d" * 64, page)
-    assert _file(storage, "d" * 64).stat().st_size == page.numel() * 4 + DIGEST_BYTES
+    assert page_file(storage, "d" * 64).stat().st_size == page.numel() * 4 + DIGEST_BYTES

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.stores.test_file_store import _bits, _file, _flat_page, _host_pool, _storage
+from tests.support.host_pools import HostPool, bits, file_storage, flat_page, page_file
 from vericache_sglang.codec import StreamForeign, prefix_length, read_header
 from vericache_sglang.stores.pages import STORE_STATS, PageCoder
 
@@ -29,30 +29,30 @@ def _foreign() -> int:
 def stored(tmp_path: Path, model_kv):
     """A float32 server's store of 64-token pages (4-bit KIVI) holding one page of real KV:
     the store, the page, and the directory."""
-    storage = _storage(tmp_path / "pages")
-    storage.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    storage = file_storage(tmp_path / "pages")
+    storage.register_mem_pool_host(HostPool("layer_first", torch.float32))
     keys, values = (t[:, 64:128].float() for t in model_kv)
-    page = _flat_page(keys, values, "layer_first")
+    page = flat_page(keys, values, "layer_first")
     assert storage.set(KEY, page)
     return storage, page, tmp_path / "pages"
 
 
 def test_a_page_of_another_dtype_is_a_foreign_miss_left_in_place(stored):
     storage, page, directory = stored
-    bf16 = _storage(directory)
-    bf16.register_mem_pool_host(_host_pool("layer_first", torch.bfloat16))
+    bf16 = file_storage(directory)
+    bf16.register_mem_pool_host(HostPool("layer_first", torch.bfloat16))
     before = _foreign()
     assert bf16.get(KEY, torch.zeros(page.numel(), dtype=torch.bfloat16)) is None
     assert _foreign() == before + 1
-    assert _file(storage, KEY).exists() and bf16.exists(KEY)
+    assert page_file(storage, KEY).exists() and bf16.exists(KEY)
     target = torch.zeros_like(page)
     assert storage.get(KEY, target) is target  # still its writer's page
-    assert torch.equal(_bits(target), _bits(page))
+    assert torch.equal(bits(target), bits(page))
 
 
 def test_a_page_of_the_previous_format_is_a_foreign_miss_left_in_place(stored):
     storage, page, _ = stored
-    path = _file(storage, KEY)
+    path = page_file(storage, KEY)
     data = bytearray(path.read_bytes())
     data[4] = 1  # the version byte: streams whose part digests took 64 bytes of the key
     path.write_bytes(bytes(data))
@@ -66,11 +66,11 @@ def test_another_compressors_drafting_level_is_foreign(stored):
     """Early drafting installs the drafting level's codes as the pool's pages: a 2-bit pool
     refuses a 4-bit stream's, and reads its own compressor's."""
     storage, page, _ = stored
-    blob = _file(storage, KEY).read_bytes()
+    blob = page_file(storage, KEY).read_bytes()
     header, _ = read_header(blob)
     head = blob[:prefix_length(header, 1)]  # the coarse object: header and first level
     name = storage._get_suffixed_key(KEY)
-    two_bit = PageCoder.for_pool(_host_pool("layer_first", torch.float32), "kivi:bits=2")
+    two_bit = PageCoder.for_pool(HostPool("layer_first", torch.float32), "kivi:bits=2")
     with pytest.raises(StreamForeign, match="another compressor"):
         two_bit.decode_page(head, name, drafting=True)
     keys, _, tiers = storage._coder.decode_page(head, name, drafting=True)

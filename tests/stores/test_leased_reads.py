@@ -19,8 +19,8 @@ import pytest
 
 from vericache_sglang.stores.leased_reads import FIRST_RANGE_BYTES, LeasedReader
 from vericache_sglang.stores.link import LinkMeter
-from vericache_sglang.stores.mooncake_service import MooncakeService, mooncake_unavailable_reason
-from vericache_sglang.stores.shaped_link import ShapedLink, shaping_unavailable_reason
+from vericache_tools.mooncake_service import MooncakeService, mooncake_unavailable_reason
+from vericache_tools.shaped_link import ShapedLink, shaping_unavailable_reason
 
 pytestmark = pytest.mark.timeout(300)
 

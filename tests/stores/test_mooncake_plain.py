@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
-from vericache_sglang.stores.mooncake_service import MooncakeService
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from vericache_tools.mooncake_service import MooncakeService
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("room_for_private_servers")]
 
 DEVICE_TOKENS = 4096
 PROMPT_TOKENS = 1200

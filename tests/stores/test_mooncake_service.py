@@ -1,4 +1,4 @@
-"""The Mooncake store tests and benchmarks start (vericache_sglang.stores.mooncake_service):
+"""The Mooncake store tests and benchmarks start (vericache_tools.mooncake_service):
 it holds what fits its segment, refuses a put into a full store with -200 (Mooncake's
 NO_AVAILABLE_HANDLE) and then evicts its oldest objects in the background (past the master's
 90% high watermark), and it stops or dies whole, by process group."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vericache_sglang.stores.mooncake_service import (
+from vericache_tools.mooncake_service import (
     MIN_SEGMENT_SIZE,
     PARTS,
     MooncakeService,

@@ -44,19 +44,20 @@ import requests
 from sglang.srt.mem_cache.utils import get_hash_str
 from transformers import AutoTokenizer
 
-from tests.conftest import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
-from tests.homogeneity import two_sample_pvalue
-from tests.speculative.identity import send_all
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.homogeneity import two_sample_pvalue
+from tests.support.identity import send_all
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
 from vericache_sglang.speculative.meta_info import EARLY_DRAFTS_KEY
-from vericache_sglang.stores.mooncake_service import (
+from vericache_sglang.stores.reconnect import RETRY_ENV
+from vericache_tools.mooncake_service import (
     MooncakeService,
     mooncake_unavailable_reason,
 )
-from vericache_sglang.stores.reconnect import RETRY_ENV
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("room_for_private_servers")]
 
 PAGE_SIZE = 64
 PROMPT_TOKENS = 3200

@@ -12,56 +12,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.stores.test_file_store import _flat_page, _host_pool
+from tests.support.host_pools import (
+    SMALL_PAGE,
+    HostPool,
+    flat_page,
+    page_slots,
+    small_host_pool,
+    small_page,
+)
 from vericache_sglang.codec import StreamError, decode_chunk
 from vericache_sglang.speculative.early import Stash, can_draft_early
 from vericache_sglang.stores.link import DraftingPlan, LinkMeter
 from vericache_sglang.stores.pages import PageCoder
 from vericache_sglang.stores.pending import PendingExact, check_early_drafting
 
-PAGE = 4
-
-
-class _HostPool:
-    """The two calls the registry makes of SGLang's host pool, recorded."""
-
-    page_size = PAGE
-
-    def __init__(self) -> None:
-        self.written: list[tuple[int, torch.Tensor]] = []
-        self.freed: list[list[int]] = []
-
-    def free(self, indices: torch.Tensor) -> int:
-        self.freed.append(indices.tolist())
-        return len(indices)
-
-    def set_from_flat_data_page(self, index: int, flat: torch.Tensor) -> None:
-        self.written.append((index, flat))
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(2 * PAGE)
-
 
 @pytest.fixture
-def pending() -> tuple[PendingExact, _HostPool]:
-    registry, host = PendingExact(), _HostPool()
-    registry.attach(host, lambda flat: flat.reshape(2, 1, PAGE, 1, 1), deadline=30.0)
+def pending() -> tuple[PendingExact, HostPool]:
+    registry, host = PendingExact(), small_host_pool()
+    registry.attach(host, lambda flat: flat.reshape(2, 1, SMALL_PAGE, 1, 1), deadline=30.0)
     return registry, host
-
-
-def _page(value: float) -> torch.Tensor:
-    return torch.full((2 * PAGE,), value)
-
-
-def _slots(start: int) -> torch.Tensor:
-    return torch.arange(start, start + PAGE)
 
 
 def test_a_device_page_waits_for_its_exact_kv_and_is_written_host_first(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(100), PAGE)
+    registry.loaded(["a"], page_slots(100), SMALL_PAGE)
     context = torch.arange(96, 120)  # a prefill whose prefix holds the page
     assert registry.waiting_in(context) and registry.arriving_in(context)
     assert not registry.settle(context=context, block=False).writes and not host.written
@@ -71,12 +48,12 @@ def test_a_device_page_waits_for_its_exact_kv_and_is_written_host_first(pending)
     barrier.start()
     barrier.join(0.5)
     assert barrier.is_alive() and not host.written  # the barrier waits for the exact KV
-    exact.set_result((_page(7.0), None))
+    exact.set_result((small_page(7.0), None))
     barrier.join()
     settled, = result
-    assert host.written[0][0] == 8 and torch.equal(host.written[0][1], _page(7.0))
+    assert host.written[0][0] == 8 and torch.equal(host.written[0][1], small_page(7.0))
     (slots, kv), = settled.writes
-    assert slots.tolist() == _slots(100).tolist() and kv.shape == (2, 1, PAGE, 1, 1)
+    assert slots.tolist() == page_slots(100).tolist() and kv.shape == (2, 1, SMALL_PAGE, 1, 1)
     assert not settled.codes  # answered on the pool level: nothing to refine
     assert not registry.waiting_in() and registry.snapshot()["waiting_pages"] == 0
 
@@ -87,24 +64,24 @@ def test_a_forward_that_reads_no_waiting_page_never_waits(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(100), PAGE)
+    registry.loaded(["a"], page_slots(100), SMALL_PAGE)
     elsewhere = torch.arange(0, 64)
     assert not registry.waiting_in(elsewhere) and registry.waiting_in()
     for context in (elsewhere, None):
         settled = registry.settle(context=context, block=True)
         assert not settled.writes and not settled.failed and settled.waited_seconds == 0
-    exact.set_result((_page(5.0), None))
+    exact.set_result((small_page(5.0), None))
     (slots, _), = registry.settle(context=None, block=False).writes
-    assert slots.tolist() == _slots(100).tolist() and host.written[0][0] == 8
+    assert slots.tolist() == page_slots(100).tolist() and host.written[0][0] == 8
 
 
 def test_an_exact_part_past_the_deadline_counts_as_failed(pending) -> None:
     registry, host = pending
     registry.deadline = 0.05
     registry.expect("a", 8, Future())  # never answered: a store that stopped responding
-    registry.loaded(["a"], _slots(40), PAGE)
-    settled = registry.settle(context=_slots(40), block=True)
-    assert [s.tolist() for s in settled.failed.values()] == [_slots(40).tolist()]
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
+    settled = registry.settle(context=page_slots(40), block=True)
+    assert [s.tolist() for s in settled.failed.values()] == [page_slots(40).tolist()]
     assert registry.snapshot()["exact_timed_out"] == 1 and not host.written
 
 
@@ -121,16 +98,16 @@ def test_a_failed_exact_part_comes_back_for_recompute_wherever_it_is_loaded(pend
     exact.set_exception(StreamError("the store has no exact object"))
     # Only on the host: it stays, poisoned, and is not written.
     assert not registry.settle(context=None, block=False).failed and not host.written
-    registry.loaded(["a"], _slots(40), PAGE)
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
     # Failed before any settle marked it: the prefill over it must still stop for it.
-    assert registry.waiting_in(_slots(40)) and not registry.arriving_in(_slots(40))
+    assert registry.waiting_in(page_slots(40)) and not registry.arriving_in(page_slots(40))
     # While drafting, failures wait for the barrier.
-    assert not registry.settle(context=_slots(40), block=False, failures=False).failed
-    settled = registry.settle(context=_slots(40), block=True)
-    assert [s.tolist() for s in settled.failed.values()] == [_slots(40).tolist()]
+    assert not registry.settle(context=page_slots(40), block=False, failures=False).failed
+    settled = registry.settle(context=page_slots(40), block=True)
+    assert [s.tolist() for s in settled.failed.values()] == [page_slots(40).tolist()]
     assert not settled.writes and not host.written
     # The worker recomputed the slots: their KV heals the host page, and the page is done.
-    _heal(registry, _slots(40), settled.failed)
+    _heal(registry, page_slots(40), settled.failed)
     (index, flat), = host.written
     assert index == 8 and flat.tolist() == [40.0, 41.0, 42.0, 43.0] * 2
     assert registry.snapshot()["waiting_pages"] == 0
@@ -144,17 +121,17 @@ def test_a_failed_page_outside_the_forward_is_never_promoted(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(40), PAGE)
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
     exact.set_exception(StreamError("the store has no exact object"))
     settled = registry.settle(context=torch.arange(0, 32), block=True)  # another prefill
     assert not settled.failed and not settled.writes and not host.written
     assert registry.snapshot()["failed_pages_held"] == 1
-    registry.released(_slots(40))  # SGLang evicted the device copy (the host page stays)
+    registry.released(page_slots(40))  # SGLang evicted the device copy (the host page stays)
     assert not registry.waiting_in()
-    registry.loaded(["a"], _slots(80), PAGE)  # a later request loads it back
+    registry.loaded(["a"], page_slots(80), SMALL_PAGE)  # a later request loads it back
     settled = registry.settle(context=torch.arange(64, 96), block=True)
-    assert [s.tolist() for s in settled.failed.values()] == [_slots(80).tolist()]
-    _heal(registry, _slots(80), settled.failed)
+    assert [s.tolist() for s in settled.failed.values()] == [page_slots(80).tolist()]
+    _heal(registry, page_slots(80), settled.failed)
     assert host.written[0][1].tolist() == [80.0, 81.0, 82.0, 83.0] * 2
     assert registry.snapshot()["waiting_pages"] == 0
 
@@ -163,22 +140,22 @@ def test_a_page_only_partly_recomputed_stays_failed(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(40), PAGE)
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
     exact.set_exception(StreamError("the store has no exact object"))
-    settled = registry.settle(context=_slots(40), block=True)
-    _heal(registry, _slots(40)[:2], settled.failed)  # a prefix ending inside the page
+    settled = registry.settle(context=page_slots(40), block=True)
+    _heal(registry, page_slots(40)[:2], settled.failed)  # a prefix ending inside the page
     assert not host.written and registry.snapshot()["failed_pages_held"] == 1
-    assert registry.waiting_in(_slots(40))
+    assert registry.waiting_in(page_slots(40))
 
 
 def test_freed_device_slots_never_receive_a_late_exact_page(pending) -> None:
     registry, host = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(40), PAGE)
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
     registry.released(torch.arange(32, 48))  # freed, then reused for another request's KV
-    exact.set_result((_page(9.0), None))
-    settled = registry.settle(context=_slots(40), block=True)
+    exact.set_result((small_page(9.0), None))
+    settled = registry.settle(context=page_slots(40), block=True)
     assert not settled.writes and host.written[0][0] == 8
 
 
@@ -186,19 +163,19 @@ def test_a_coarse_page_brings_its_pool_codes_for_the_device_slots(pending) -> No
     registry, _ = pending
     exact: Future = Future()
     registry.expect("a", 8, exact)
-    registry.loaded(["a"], _slots(40), PAGE)
-    exact.set_result((_page(2.0), ["pool-level codes"]))
-    settled = registry.settle(context=_slots(40), block=False, failures=False)
+    registry.loaded(["a"], page_slots(40), SMALL_PAGE)
+    exact.set_result((small_page(2.0), ["pool-level codes"]))
+    settled = registry.settle(context=page_slots(40), block=False, failures=False)
     (slots, codes), = settled.codes
-    assert slots.tolist() == list(range(40, 40 + PAGE)) and codes == ["pool-level codes"]
+    assert slots.tolist() == list(range(40, 40 + SMALL_PAGE)) and codes == ["pool-level codes"]
 
 
 @pytest.fixture(scope="module")
 def coded_page(model_kv) -> tuple[PageCoder, bytes, torch.Tensor]:
-    host = _host_pool("layer_first", torch.float32)
+    host = HostPool("layer_first", torch.float32)
     coder = PageCoder.for_pool(host, "kivi:bits=4")
     keys, values = (t[:, 64:128].float() for t in model_kv)
-    return coder, coder.encode_page(_flat_page(keys, values, "layer_first"), "k"), keys
+    return coder, coder.encode_page(flat_page(keys, values, "layer_first"), "k"), keys
 
 
 def test_the_drafting_level_decodes_the_pool_pages_lossy(coded_page) -> None:
@@ -353,9 +330,9 @@ def test_two_answers_of_one_page_each_keep_their_host_page(pending) -> None:
     first, second = Future(), Future()
     registry.expect("a", 8, first)
     registry.expect("a", 16, second)
-    host.free(torch.arange(16, 16 + PAGE))
-    first.set_result((_page(3.0), None))
-    second.set_result((_page(3.0), None))
+    host.free(torch.arange(16, 16 + SMALL_PAGE))
+    first.set_result((small_page(3.0), None))
+    second.set_result((small_page(3.0), None))
     registry.settle(context=None, block=False)
     assert [index for index, _ in host.written] == [8]
     assert registry.snapshot()["waiting_pages"] == 0

@@ -17,7 +17,6 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from vericache_sglang import startup
-from vericache_sglang.server_process import HOST, free_port
 from vericache_sglang.stores.mooncake import master_unreachable
 from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.stores.reconnect import (
@@ -26,6 +25,7 @@ from vericache_sglang.stores.reconnect import (
     ReconnectingStore,
     build_or_reconnect,
 )
+from vericache_tools.server_process import HOST, free_port
 
 RETRY_SECONDS = 0.2
 PATIENCE = 60.0

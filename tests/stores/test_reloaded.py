@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from tests.stores.test_file_store import _flat_page, _host_pool, _storage
+from tests.support.host_pools import TOKEN_PAGE, HostPool, file_storage, flat_page
 from vericache_sglang.codec import coarser, finer
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.quant import QuantTier
@@ -49,20 +49,20 @@ def _pool(keys: torch.Tensor | None, values: torch.Tensor | None,
 @pytest.fixture
 def stored(tmp_path: Path, model_kv):
     """A store of 64-token pages holding two pages of real float32 KV, and that KV."""
-    storage = _storage(tmp_path / "pages")
-    storage.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    storage = file_storage(tmp_path / "pages")
+    storage.register_mem_pool_host(HostPool("layer_first", torch.float32))
     keys, values = (t[:, TOKENS[0]:TOKENS[1]].float() for t in model_kv)
     for page in range(2):
         rows = slice(page * PAGE, (page + 1) * PAGE)
-        assert storage.set(f"{page:064x}", _flat_page(keys[:, rows], values[:, rows],
-                                                      "layer_first"))
+        assert storage.set(f"{page:064x}", flat_page(keys[:, rows], values[:, rows],
+                                                     "layer_first"))
     yield storage, keys, values
     RELOADED.accept(None)
 
 
 def _read(storage) -> list[str]:
     keys = [f"{page:064x}" for page in range(2)]
-    target = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    target = torch.zeros(TOKEN_PAGE * PAGE)
     for key in keys:
         assert storage.get(key, target) is target
     return keys
@@ -167,16 +167,16 @@ def test_another_compressors_stream_gives_its_exact_kv_and_no_codes(stored, tmp_
     storage, keys, values = stored
     pool, _ = _pool(None, None, "kivi:bits=2")
     RELOADED.accept(pool)
-    two_bit = _storage(tmp_path / "pages")
+    two_bit = file_storage(tmp_path / "pages")
     two_bit.compressor = "kivi:bits=2"
-    two_bit.register_mem_pool_host(_host_pool("layer_first", torch.float32))
+    two_bit.register_mem_pool_host(HostPool("layer_first", torch.float32))
     before, faults = RELOADED.snapshot(), STORE_STATS.snapshot()["faults"]
     _read(two_bit)
     assert RELOADED.snapshot()["skipped_pages"] - before["skipped_pages"] == 2
     assert len(RELOADED) == 0 and STORE_STATS.snapshot()["faults"] == faults
-    target = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    target = torch.zeros(TOKEN_PAGE * PAGE)
     assert two_bit.get(f"{1:064x}", target) is target
-    assert torch.equal(target, _flat_page(keys[:, PAGE:], values[:, PAGE:], "layer_first"))
+    assert torch.equal(target, flat_page(keys[:, PAGE:], values[:, PAGE:], "layer_first"))
     assert all(storage.exists(f"{page:064x}") for page in range(2))
 
 
@@ -202,10 +202,10 @@ def test_nothing_waits_without_a_pool_or_for_a_token_dropper(stored, tmp_path):
     # A token dropper's stream carries 4-bit KIVI bins as the exact part's predictor only.
     pool, _ = _pool(None, None)
     RELOADED.accept(pool)
-    dropper = _storage(tmp_path / "snapkv")
+    dropper = file_storage(tmp_path / "snapkv")
     dropper.compressor = "snapkv:ratio=0.25"
-    dropper.register_mem_pool_host(_host_pool("layer_first", torch.float32))
-    page = torch.zeros(2 * 30 * PAGE * 3 * 64)
+    dropper.register_mem_pool_host(HostPool("layer_first", torch.float32))
+    page = torch.zeros(TOKEN_PAGE * PAGE)
     assert dropper.set("e" * 64, page)
     assert dropper.get("e" * 64, torch.empty_like(page)) is not None
     assert len(RELOADED) == 0

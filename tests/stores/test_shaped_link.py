@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from vericache_sglang.stores.shaped_link import (
+from vericache_tools.shaped_link import (
     MOONCAKE_DATA_PORTS,
     ShapedLink,
     port_masks,

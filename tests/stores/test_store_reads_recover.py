@@ -29,26 +29,26 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench import serving
-from bench.remote_prefix import (
-    CONFIGS,
-    DEVICE_TOKENS,
-    PAGE_SIZE,
-    STORE_ARGS,
-    base_args,
-    set_rate,
-)
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
+from tests.support.identity import payload
 from vericache_sglang.stores.admission import PROBE_EVERY
-from vericache_sglang.stores.mooncake_service import MooncakeService, mooncake_unavailable_reason
-from vericache_sglang.stores.shaped_link import ShapedLink, shaping_unavailable_reason
+from vericache_tools.mooncake_service import MooncakeService, mooncake_unavailable_reason
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import HICACHE_STORE_ARGS, VERICACHE, server_args
+from vericache_tools.server_process import ServerProcess
+from vericache_tools.shaped_link import ShapedLink, set_rate, shaping_unavailable_reason
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("room_for_private_servers")]
 
 SLOW_MBIT = 10
 FAST_MBIT = 10_000
 PROMPT_TOKENS = 448
+PAGE_SIZE = 64
+DEVICE_TOKENS = 8192
+SERVER = [*server_args(page_size=PAGE_SIZE), *HICACHE_STORE_ARGS, *VERICACHE,
+          "--vericache-full-tier", "device", "--vericache-store-reads", "auto"]
+"""VeriCache reading or recomputing the stored prefix by the faster measured rate, its full KV
+in the device pool (as `python -m bench.remote_prefix` runs it)."""
 LEASE_MS = 1000
 """The store's read lease, shorter than a page's transfer on the slow link."""
 SLOW_DECLINES = 2
@@ -59,7 +59,7 @@ def _answer(server: ServerProcess, ids: list[int]) -> dict:
     """After a cache flush, so that the prefix is looked up in the store: the output, its
     storage hit, and the server's read-or-recompute state after it."""
     server.flush_cache()
-    out = server.generate(serving.request(ids, 8))
+    out = server.generate(payload(ids, "code", max_new_tokens=8))
     state = server.server_info()["internal_states"][0]["vericache_state"]["store_reads"]
     return {"output_ids": out["output_ids"],
             "storage_hit": (out["meta_info"].get("cached_tokens_details") or {})
@@ -75,12 +75,10 @@ def drive(model: Path) -> dict[str, list[dict]]:
     # A 1 s read lease: a page takes about 2 s to cross the slow link, so a read that is one
     # Mooncake get fails there on LEASE_EXPIRED; VeriCache reads it in lease-sized ranges.
     with MooncakeService(master_args=[f"--default_kv_lease_ttl={LEASE_MS}"]) as store:
-        args = [*base_args("float32"), *STORE_ARGS, *CONFIGS["vericache-auto"],
-                *store.server_args()]
-        with ServerProcess(model, args, max_total_tokens=DEVICE_TOKENS,
+        with ServerProcess(model, [*SERVER, *store.server_args()], max_total_tokens=DEVICE_TOKENS,
                            env=store.env()) as server:
             # A first prefill pays one-time costs: a warm-up's gives a steadier prefill rate.
-            server.generate(serving.request(warm_up, 1))
+            server.generate(payload(warm_up, "code", max_new_tokens=1))
             answers["first"] = [_answer(server, ids)]  # prefilled; its pages are stored
             store.wait_keys(4 * PROMPT_TOKENS // PAGE_SIZE)  # a page: two or three objects
             set_rate(SLOW_MBIT)

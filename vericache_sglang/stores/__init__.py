@@ -1,5 +1,5 @@
-"""KV stores: SGLang's storage backends as VeriCache stores pages (`file`, `mooncake`), what
-they share (`pages`), and a real Mooncake store for tests and benchmarks (`mooncake_service`)."""
+"""KV stores: SGLang's storage backends as VeriCache stores pages (`file`, `mooncake`), and what
+they share (`pages`). A real Mooncake store for tests and benchmarks: `vericache_tools`."""
 
 BACKENDS = {"file": ("vericache_sglang.stores.file", "FileBackend"),
             "mooncake": ("vericache_sglang.stores.mooncake", "MooncakeBackend")}

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from .mooncake_service import PORT_ENV
+from vericache_tools.mooncake_service import PORT_ENV
 
 MOONCAKE_DATA_PORTS = range(int(PORT_ENV["MC_MIN_RPC_PORT"]),
                             int(PORT_ENV["MC_MAX_RPC_PORT"]) + 1)
@@ -52,6 +52,21 @@ def port_masks(ports: range) -> list[tuple[int, int]]:
         blocks.append((start, 0xFFFF & ~(size - 1)))
         start += size
     return blocks
+
+
+def shaped_class(verb: str, rate_mbit: float) -> list[str]:
+    """`tc` arguments that add or change the shaped class at `rate_mbit`. A loopback "packet"
+    can be 64 KiB (its MTU): the class's bursts must hold one, or htb cannot send it at all."""
+    return ["class", verb, "dev", "lo", "parent", "1:", "classid", "1:10", "htb",
+            "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "burst", "128k",
+            "cburst", "128k"]
+
+
+def set_rate(rate_mbit: float) -> None:
+    """Change the shaped class's rate in place, so that servers keep running while the link
+    changes; called from a process inside the link's namespace (`ShapedLink.command`)."""
+    subprocess.run(["tc", *shaped_class("change", rate_mbit)], capture_output=True, text=True,
+                   check=True)
 
 
 def shaping_unavailable_reason() -> str | None:
@@ -105,11 +120,7 @@ class ShapedLink:
             tc = [*inside, "tc"]
             self._run(*tc, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb",
                       "default", "20")
-            # A loopback "packet" can be 64 KiB (its MTU): the shaped class's bursts must hold
-            # one, or htb cannot send it at all.
-            self._run(*tc, "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10",
-                      "htb", "rate", f"{self.rate_mbit}mbit", "ceil", f"{self.rate_mbit}mbit",
-                      "burst", "128k", "cburst", "128k")
+            self._run(*tc, *shaped_class("add", self.rate_mbit))
             self._run(*tc, "class", "add", "dev", "lo", "parent", "1:", "classid", "1:20",
                       "htb", "rate", UNSHAPED_RATE)
             for end in ("sport", "dport"):

@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from vericache_sglang.prompts import stdlib_ids
-from vericache_sglang.server_process import ServerProcess
 from vericache_sglang.speculative.meta_info import (
     DRAFT_FORWARDS_KEY,
     DRAFTER_KEPT_KEY,
     DRAFTER_PROPOSED_KEY,
 )
+from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_process import ServerProcess
 
 NEW_TOKENS = 48
 

@@ -11,7 +11,7 @@ docs/perfmodel.md lists the assumptions and presets.
 
 Pure Python on purpose (no torch, no sglang): it runs on a bare GPU machine and in the docs.
 
-    python -m vericache_sglang.perfmodel --help
+    python -m vericache_tools.perfmodel --help
 """
 
 from __future__ import annotations
@@ -400,7 +400,7 @@ def table(g: Geometry, hw: Hardware, workloads: list[Workload]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vericache_sglang.perfmodel",
+        prog="python -m vericache_tools.perfmodel",
         description="Roofline predictions of decode tokens/s: plain SGLang (full KV in HBM), "
                     "full KV offloaded (fetched once, then decoded), full KV streamed every "
                     "step, and VeriCache (k drafts on the compressed KV, one verify over the "

@@ -28,7 +28,7 @@ def rerun_under_interpreter(test_file: str, skipped: int = 1, timeout: float = 6
     pytest.importorskip("triton")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
-        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+        cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True, text=True, timeout=timeout,
     )
     output = result.stdout + result.stderr

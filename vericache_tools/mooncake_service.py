@@ -36,7 +36,7 @@ from typing import Any
 
 import requests
 
-from vericache_sglang.server_process import HOST, free_port
+from vericache_tools.server_process import HOST, free_port
 
 BINARIES = ("mooncake_http_metadata_server", "mooncake_master", "mooncake_client")
 """The console scripts of PyPI's mooncake-transfer-engine(-non-cuda) a store runs."""

@@ -13,9 +13,9 @@ full Hugging Face directory from the target and them. Training data is text inst
 is not the Python standard library (third-party packages' sources and docs): the project's
 tests, benchmarks and demo prompt with stdlib files, which are the held-out evaluation set.
 
-    python -m vericache_sglang.distill train      # label data with the target, train, ship
-    python -m vericache_sglang.distill evaluate   # agreement on held-out stdlib files
-    python -m vericache_sglang.distill build DEST # write the HF model directory
+    python -m vericache_tools.distill train      # label data with the target, train, ship
+    python -m vericache_tools.distill evaluate   # agreement on held-out stdlib files
+    python -m vericache_tools.distill build DEST # write the HF model directory
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from vericache_sglang import models, prompts
+from vericache_sglang import models
 from vericache_sglang.models import (
     PROJECTION_KEY,
     RECIPE_FILE,
@@ -46,6 +46,7 @@ from vericache_sglang.models import (
     build_draft_model,
 )
 from vericache_sglang.speculative.drafter import load_draft_model
+from vericache_tools import prompts
 
 EVAL_FILES = ("argparse.py", "difflib.py")
 EVAL_TOKENS = 1500
@@ -415,7 +416,7 @@ def evaluate(target_dir: Path, weights: Path = WEIGHTS_DIR) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vericache_sglang.distill",
+        prog="python -m vericache_tools.distill",
         description="Distil a small standalone draft model from the demo model.")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch CPU threads (default: %(default)s)")

@@ -1,0 +1,1 @@
+"""Helpers the tests share (servers, prompts, pools, statistics); no test lives here."""
