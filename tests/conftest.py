@@ -73,19 +73,21 @@ def servers(server_pool: ServerPool):
 
 
 @pytest.fixture(scope="module")
-def room_for_private_servers(server_pool: ServerPool) -> None:
+def no_idle_servers(server_pool: ServerPool) -> None:
     """For modules that start servers or Engines of their own (stopped within the module, or
-    killed on purpose): idle pooled servers make room for two first."""
-    server_pool.make_room(2)
+    killed on purpose), and for SGLang's hierarchical cache, which keeps 10 GiB of host memory
+    free: the pool's idle servers stop first."""
+    server_pool.stop_idle()
 
 
 def _order(item: pytest.Item) -> int:
-    """Tests without servers first; then the modules on the session's VeriCache server, then
-    those on its plain server only, so each of the two starts once; then the rest."""
+    """Tests without servers first; then the modules with servers of their own; then those on
+    the session's VeriCache server, then those on its plain server only, so each of the two
+    starts once."""
     if item.get_closest_marker("server") is None:
         return 0
     fixtures = set(getattr(item, "fixturenames", ()))
-    return 1 if "vericache_server" in fixtures else 2 if "plain_server" in fixtures else 3
+    return 2 if "vericache_server" in fixtures else 3 if "plain_server" in fixtures else 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.server
-@pytest.mark.usefixtures("room_for_private_servers")
+@pytest.mark.usefixtures("no_idle_servers")
 @pytest.mark.timeout(1500)
 def test_the_entry_runs_every_suite_at_its_smallest_size(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "bench", "--size", "smallest", "--out",

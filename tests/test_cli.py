@@ -14,7 +14,7 @@ import sys
 import pytest
 
 # Real launchers, stopped at startup or serving.
-pytestmark = [pytest.mark.server, pytest.mark.usefixtures("room_for_private_servers")]
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("no_idle_servers")]
 
 MISSING_TARGET = "sglang.srt.managers.scheduler.Scheduler.renamed_by_an_upgrade"
 """A hook target SGLang does not have, as after an upgrade renamed one VeriCache hooks."""

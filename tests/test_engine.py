@@ -6,7 +6,7 @@ import pytest
 
 from vericache_sglang.config import VeriCacheConfigError
 
-pytestmark = [pytest.mark.server, pytest.mark.usefixtures("room_for_private_servers")]
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("no_idle_servers")]
 
 
 def test_engine_accepts_vericache_keyword_arguments(demo_model, hf_reference):

@@ -4,8 +4,8 @@ served from host memory, through the torch transfer ops of the sgl_kernel stand-
 output the same server computed from scratch the first time (no prefix cached: SGLang's own
 prefill, HiCache only backing it up).
 
-HiCache keeps 10 GiB of host memory free (`HICACHE_HOST_MEMORY_RESERVE_BYTES`), so this module
-starts no other server and runs before the session's servers are up (tests/conftest.py)."""
+HiCache keeps 10 GiB of host memory free (`HICACHE_HOST_MEMORY_RESERVE_BYTES`), so the pool's
+idle servers stop before this module starts its server (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from tests.support.servers import SERVER_ARGS, ServerSpec
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("no_idle_servers")]
 
 DEVICE_TOKENS = 3072
 MODULES = ["textwrap", "argparse", "difflib", "inspect"]

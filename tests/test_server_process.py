@@ -12,7 +12,7 @@ import requests
 from tests.support.servers import SERVER_ARGS
 from vericache_tools.server_process import HOST, PORTS, ServerProcess, free_port
 
-pytestmark = [pytest.mark.server, pytest.mark.usefixtures("room_for_private_servers")]
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("no_idle_servers")]
 
 
 def test_ports_are_drawn_below_the_ephemeral_range():

@@ -27,7 +27,9 @@ from vericache_sglang.stores.file import DIGEST_BYTES
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+# SGLang's hierarchical cache keeps 10 GiB of host memory free.
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200),
+              pytest.mark.usefixtures("no_idle_servers")]
 
 HOST_TOKENS = 3072
 MODULES = ["textwrap", "argparse", "difflib", "inspect"]

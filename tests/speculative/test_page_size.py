@@ -39,7 +39,9 @@ from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_A
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+# Servers of its own, one after the other; SGLang's hierarchical cache keeps 10 GiB free.
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("no_idle_servers")]
 
 PAGE_SIZE = 64
 PAGED_ARGS = [*SERVER_ARGS, "--page-size", str(PAGE_SIZE)]
@@ -84,8 +86,7 @@ def paged_requests(tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain_answers(demo_model: Path, paged_requests, server_pool) -> dict:
-    server_pool.make_room()
+def plain_answers(demo_model: Path, paged_requests) -> dict:
     with ServerProcess(demo_model, PAGED_ARGS) as server:
         return {"batch": send_all(server, paged_requests["batch"]),
                 "reuse": server.generate(paged_requests["reuse"])}
@@ -104,12 +105,10 @@ def store_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir,
-                      server_pool) -> dict:
+def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir) -> dict:
     """Server A's answers, its `/server_info`, and the files of the stored prompt's pages,
     written before A stopped."""
     del plain_answers  # asked first, and its server stopped
-    server_pool.make_room()
     with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
                        ) as server:
         answers = {"batch": send_all(server, paged_requests["batch"]),
@@ -122,14 +121,12 @@ def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir
 
 
 @pytest.fixture(scope="module")
-def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir,
-                    server_pool) -> dict:
+def reloaded_answer(demo_model: Path, paged_requests, vericache_answers, store_dir) -> dict:
     """Server B's answer to the reused request, its prefix stored by A (A has stopped). B runs
     with `--vericache-store-reads auto`: knowing no read rate yet, it reads the prefix (which
     measures one); after a cache flush it answers the request again, its stored prefix now read
     or recomputed by the faster of the rates it measured (`recomputed`)."""
     del vericache_answers
-    server_pool.make_room()
     with ServerProcess(demo_model, [
         *PAGED_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
         "--vericache-draft-length", "16", "--enable-hierarchical-cache",

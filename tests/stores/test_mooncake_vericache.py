@@ -57,7 +57,7 @@ from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
-              pytest.mark.usefixtures("room_for_private_servers")]
+              pytest.mark.usefixtures("no_idle_servers")]
 
 PAGE_SIZE = 64
 PROMPT_TOKENS = 3200

@@ -38,7 +38,7 @@ from vericache_tools.server_process import ServerProcess
 from vericache_tools.shaped_link import ShapedLink, set_rate, shaping_unavailable_reason
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
-              pytest.mark.usefixtures("room_for_private_servers")]
+              pytest.mark.usefixtures("no_idle_servers")]
 
 SLOW_MBIT = 10
 FAST_MBIT = 10_000

@@ -150,6 +150,13 @@ class ServerPool:
                 entry.server.stop()
                 del self._entries[spec]
 
+    def stop_idle(self) -> None:
+        """Stop every server no test holds."""
+        for spec, entry in list(self._entries.items()):
+            if entry.holders == 0:
+                entry.server.stop()
+                del self._entries[spec]
+
     def stop_all(self) -> None:
         for entry in self._entries.values():
             entry.server.stop()
