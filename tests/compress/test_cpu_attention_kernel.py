@@ -14,14 +14,13 @@ import pytest
 import torch
 
 import vericache_kernels
+from tests.support.paged_cases import packed_batch, ragged_inputs
 from vericache_kernels import attention_cpu
 from vericache_kernels.attention_ref import (
     decode_attention_ref,
     merge_attention,
     tail_attention_ref,
 )
-
-from .test_paged_attention import packed_batch, ragged_inputs
 
 
 def test_the_kernel_is_built_and_serves_cpu_tensors(monkeypatch) -> None:

@@ -14,19 +14,18 @@ import torch
 pytest.importorskip("triton")
 
 from tests.support.interpreter import interpreter_only, rerun_under_interpreter  # noqa: E402
+from tests.support.paged_cases import (  # noqa: E402
+    SCALE,
+    assert_close,
+    paged_case,
+    ragged_inputs,
+)
 from vericache_kernels.attention_ref import (  # noqa: E402
     decode_attention_ref,
     merge_attention,
     tail_attention_ref,
 )
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref  # noqa: E402
-
-from .test_paged_attention import (  # noqa: E402
-    SCALE,
-    assert_close,
-    paged_case,
-    ragged_inputs,
-)
 
 
 def test_kernels_under_the_interpreter() -> None:
