@@ -3,6 +3,12 @@
 Used by the demo, the tests' fixtures and the benchmarks, so every one of them starts servers
 the same way and never leaves one running: the server gets its own process group, and
 `stop()` signals that group (SGLang's scheduler and detokenizer are children of the launcher).
+
+Not SGLang's own test utilities: `sglang.test.test_utils.popen_launch_server` imports
+`sglang.benchmark`, which needs the `datasets` package (not a dependency of serving; importing
+it fails in this environment), and `kill_process_tree` finds children through psutil, which
+misses a grandchild whose parent died first (a codec process of a killed scheduler); a process
+group does not.
 """
 
 from __future__ import annotations
