@@ -13,9 +13,9 @@ import torch
 from tests.support.host_pools import TOKEN_PAGE, HostPool, file_storage, token_page
 from tests.support.servers import vericache_server_args
 from vericache_sglang.config import VeriCacheConfig
-from vericache_sglang.stores import file as file_store
 from vericache_sglang.stores import pages
 from vericache_sglang.stores.admission import PROBE_EVERY, ReadOrRecompute
+from vericache_sglang.stores.state import StoreState
 from vericache_sglang.tiers import disk
 
 PAGE_TOKENS = 64
@@ -112,10 +112,9 @@ def test_the_store_takes_the_choice_from_its_servers_flags(tmp_path: Path, monke
     """As a server's store starts (`register_mem_pool_host`), `--vericache-store-reads`
     turns the choice on or off; its lookups (`batch_exists`) and reads (`get`) then feed it."""
     choice = ReadOrRecompute(probe_every=2)
-    monkeypatch.setattr(file_store, "ADMISSION", choice)
     config = VeriCacheConfig.build({"enable_vericache": True, "vericache_store_reads": reads})
     monkeypatch.setattr(pages, "served_config", lambda: config)
-    storage = file_storage(tmp_path / "pages")
+    storage = file_storage(tmp_path / "pages", StoreState(admission=choice))
     storage.register_mem_pool_host(HostPool("layer_first", torch.float32, page_size=1))
     assert choice.enabled == (reads == "auto")
     keys = [f"{i:064x}" for i in range(3)]

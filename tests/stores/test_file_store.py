@@ -30,7 +30,6 @@ from vericache_sglang import stores
 from vericache_sglang.config import VeriCacheConfig, attach_config, get_config
 from vericache_sglang.stores import file as file_store
 from vericache_sglang.stores.file import DIGEST_BYTES, VeriCacheFileStorage
-from vericache_sglang.stores.pages import STORE_STATS
 from vericache_sglang.tiers import disk, placement
 
 
@@ -39,8 +38,8 @@ def storage(tmp_path: Path) -> VeriCacheFileStorage:
     return file_storage(tmp_path / "pages")
 
 
-def _faults(kind: str) -> int:
-    return STORE_STATS.snapshot()["faults"][kind]
+def _faults(storage: VeriCacheFileStorage, kind: str) -> int:
+    return storage.state.stats.snapshot()["faults"][kind]
 
 
 def test_a_page_reads_back_exactly(storage):
@@ -60,9 +59,8 @@ def test_a_corrupted_page_is_a_counted_miss_and_is_removed(storage):
     data = bytearray(path.read_bytes())
     data[1000] ^= 0x01  # one bit of one float
     path.write_bytes(bytes(data))
-    before = _faults("corrupt")
     assert storage.get(key, torch.empty(TOKEN_PAGE)) is None
-    assert _faults("corrupt") == before + 1
+    assert _faults(storage, "corrupt") == 1
     assert not path.exists() and not storage.exists(key)
 
 
@@ -70,9 +68,8 @@ def test_a_page_copied_over_another_fails_its_digest(storage):
     storage.set("d" * 64, token_page(2))
     storage.set("e" * 64, token_page(3))
     page_file(storage, "e" * 64).write_bytes(page_file(storage, "d" * 64).read_bytes())
-    before = _faults("corrupt")
     assert storage.get("e" * 64, torch.empty(TOKEN_PAGE)) is None
-    assert _faults("corrupt") == before + 1
+    assert _faults(storage, "corrupt") == 1
 
 
 @pytest.mark.parametrize("size", [0, TOKEN_PAGE * 4 - 8, TOKEN_PAGE * 4 + DIGEST_BYTES + 8])
@@ -81,9 +78,8 @@ def test_a_page_of_the_wrong_length_is_a_counted_miss(storage, size):
     storage.set(key, token_page(4))
     path = page_file(storage, key)
     path.write_bytes((path.read_bytes() + bytes(64))[:size])
-    before = _faults("short")
     assert storage.get(key, torch.empty(TOKEN_PAGE)) is None
-    assert _faults("short") == before + 1
+    assert _faults(storage, "short") == 1
 
 
 def test_a_deleted_page_is_a_counted_miss(storage):
@@ -91,9 +87,8 @@ def test_a_deleted_page_is_a_counted_miss(storage):
     for i, key in enumerate(keys):
         storage.set(key, token_page(10 + i))
     os.remove(page_file(storage, keys[1]))
-    before = _faults("missing")
     assert storage.batch_exists(keys) == 1  # the prefix stops at the lost page
-    assert _faults("missing") == before + 1
+    assert _faults(storage, "missing") == 1
     assert storage.get(keys[1], torch.empty(TOKEN_PAGE)) is None
 
 
@@ -103,9 +98,8 @@ def test_a_write_that_fails_is_counted_and_nothing_is_read_back(storage):
         os.remove(directory / name)
     directory.rmdir()
     directory.write_bytes(b"not a directory")  # writes under it fail (as on a broken mount)
-    before = _faults("write_error")
     assert not storage.set("9" * 64, token_page(20))
-    assert _faults("write_error") == before + 1
+    assert _faults(storage, "write_error") == 1
     assert not storage.exists("9" * 64)
     assert storage.get("9" * 64, torch.empty(TOKEN_PAGE)) is None
 
@@ -180,7 +174,7 @@ def test_a_full_disk_refuses_pages_and_keeps_the_ones_it_has(full_disk):
     pages = [token_page(30 + i) for i in range(12)]  # 12 x 45 KiB > 256 KiB
     stored = [storage.set(f"{i:064x}", page) for i, page in enumerate(pages)]
     assert stored[0] and not stored[-1]
-    assert _faults("write_error") >= 1
+    assert _faults(storage, "write_error") >= 1
     for i, (page, ok) in enumerate(zip(pages, stored, strict=True)):
         target = torch.empty(TOKEN_PAGE)
         if ok:
@@ -203,7 +197,6 @@ def coded(request, tmp_path, model_kv):
 
 def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exactly(coded):
     storage, page = coded
-    before = STORE_STATS.snapshot()["io"]
     assert storage.set("a" * 64, page)
     data = page_file(storage, "a" * 64).read_bytes()
     raw = page.numel() * page.element_size()
@@ -213,10 +206,9 @@ def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exact
     target = torch.zeros_like(page)
     assert storage.get("a" * 64, target) is target
     assert torch.equal(bits(target), bits(page))
-    after = STORE_STATS.snapshot()["io"]
-    assert after["written_coded_bytes"] - before.get("written_coded_bytes", 0) == len(data)
-    assert after["read_coded_pages"] - before.get("read_coded_pages", 0) == 1
-    assert after["read_kv_bytes"] - before.get("read_kv_bytes", 0) == raw
+    io = storage.state.stats.snapshot()["io"]
+    assert io["written_coded_bytes"] == len(data)
+    assert io["read_coded_pages"] == 1 and io["read_kv_bytes"] == raw
 
 
 def _overlapping(storage: VeriCacheFileStorage) -> dict[str, int]:
@@ -256,7 +248,6 @@ def test_a_batch_reads_pages_side_by_side_up_to_the_first_missing_one(coded):
     for key, value in zip(keys, pages, strict=True):
         assert storage.set(key, value)
     page_file(storage, keys[3]).unlink()
-    before, missing = STORE_STATS.snapshot()["io"], _faults("missing")
     targets = [torch.zeros_like(page) for _ in keys]
     got = storage.batch_get(keys, targets)
     assert [t is target for t, target in zip(got[:3], targets[:3], strict=True)] == [True] * 3
@@ -264,8 +255,8 @@ def test_a_batch_reads_pages_side_by_side_up_to_the_first_missing_one(coded):
     for target, value in zip(targets[:3], pages[:3], strict=True):
         assert torch.equal(bits(target), bits(value))
     assert overlap["peak"] >= 2  # several pages in flight at once
-    assert STORE_STATS.snapshot()["io"]["read_coded_pages"] - before.get("read_coded_pages", 0) == 3
-    assert _faults("missing") == missing + 1
+    assert storage.state.stats.snapshot()["io"]["read_coded_pages"] == 3
+    assert _faults(storage, "missing") == 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flipped", "copied from another page"])
@@ -286,10 +277,9 @@ def test_a_damaged_stream_is_a_counted_miss(coded, damage):
         data = bytearray(page_file(storage, other).read_bytes())
     path.write_bytes(bytes(data))
     kind = "short" if damage == "truncated" else "corrupt"
-    before = _faults(kind)
     target = torch.zeros_like(page)
     assert storage.get(key, target) is None
-    assert _faults(kind) == before + 1
+    assert _faults(storage, kind) == 1
     assert path.exists() == storage.exists(key) == (kind == "short")
 
 

@@ -16,13 +16,14 @@ import torch
 
 from tests.support.host_pools import HostPool, bits, file_storage, flat_page, page_file
 from vericache_sglang.codec import StreamForeign, prefix_length, read_header
-from vericache_sglang.stores.pages import STORE_STATS, PageCoder
+from vericache_sglang.stores.file import VeriCacheFileStorage
+from vericache_sglang.stores.pages import PageCoder
 
 KEY = "a" * 64
 
 
-def _foreign() -> int:
-    return STORE_STATS.snapshot()["faults"]["foreign"]
+def _foreign(storage: VeriCacheFileStorage) -> int:
+    return storage.state.stats.snapshot()["faults"]["foreign"]
 
 
 @pytest.fixture
@@ -41,9 +42,8 @@ def test_a_page_of_another_dtype_is_a_foreign_miss_left_in_place(stored):
     storage, page, directory = stored
     bf16 = file_storage(directory)
     bf16.register_mem_pool_host(HostPool("layer_first", torch.bfloat16))
-    before = _foreign()
     assert bf16.get(KEY, torch.zeros(page.numel(), dtype=torch.bfloat16)) is None
-    assert _foreign() == before + 1
+    assert _foreign(bf16) == 1
     assert page_file(storage, KEY).exists() and bf16.exists(KEY)
     target = torch.zeros_like(page)
     assert storage.get(KEY, target) is target  # still its writer's page
@@ -56,9 +56,8 @@ def test_a_page_of_the_previous_format_is_a_foreign_miss_left_in_place(stored):
     data = bytearray(path.read_bytes())
     data[4] = 1  # the version byte: streams whose part digests took 64 bytes of the key
     path.write_bytes(bytes(data))
-    before = _foreign()
     assert storage.get(KEY, torch.zeros_like(page)) is None
-    assert _foreign() == before + 1
+    assert _foreign(storage) == 1
     assert path.read_bytes() == bytes(data)
 
 

@@ -18,13 +18,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 
 from vericache_sglang import startup
 from vericache_sglang.stores.mooncake import master_unreachable
-from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.stores.reconnect import (
-    RECONNECTS,
-    RETRY_ENV,
-    ReconnectingStore,
-    build_or_reconnect,
-)
+from vericache_sglang.stores.reconnect import RETRY_ENV, ReconnectingStore, build_or_reconnect
+from vericache_sglang.stores.state import StoreState
 from vericache_tools.server_process import HOST, free_port
 
 RETRY_SECONDS = 0.2
@@ -104,7 +99,7 @@ def test_a_build_that_fails_while_the_store_answers_stops_startup_with_one_line(
         port, answering, startup_line, error):
     answering()
     with pytest.raises(SystemExit) as stop:
-        build_or_reconnect("mooncake", _raises(error), _probe(port))
+        build_or_reconnect("mooncake", _raises(error), _probe(port), StoreState())
     assert stop.value.code == 1
     line = startup_line.read_text()
     assert line == ("vericache: error: the mooncake store (--hicache-storage-backend "
@@ -119,7 +114,7 @@ def test_a_build_that_fails_while_the_store_answers_stops_startup_with_one_line(
 ], ids=["setup failed", "refused", "timed out"])
 def test_a_build_that_cannot_reach_the_store_is_retried(port, answering, error):
     answering()
-    store = build_or_reconnect("mooncake", _raises(error), _probe(port))
+    store = build_or_reconnect("mooncake", _raises(error), _probe(port), StoreState())
     assert isinstance(store, ReconnectingStore)
     assert store.batch_exists(["page"]) == 0
 
@@ -133,7 +128,7 @@ def test_a_build_that_fails_as_the_store_goes_down_is_retried(port):
         listener.close()
         raise ValueError("Launch mooncake store server timeout")
 
-    store = build_or_reconnect("mooncake", build, _probe(port))
+    store = build_or_reconnect("mooncake", build, _probe(port), StoreState())
     assert isinstance(store, ReconnectingStore)
 
 
@@ -145,23 +140,22 @@ def test_an_unreachable_store_serves_misses_and_is_reached_once_it_answers(
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
     caplog.set_level(logging.INFO, logger="vericache_sglang.stores.reconnect")
     page = torch.arange(16, dtype=torch.float32)
-    unavailable = STORE_STATS.snapshot()["faults"]["unavailable"]
-    failures = RECONNECTS.failures
-    store = build_or_reconnect("mooncake", _file_backend(tmp_path), _probe(port))
+    state = StoreState()
+    store = build_or_reconnect("mooncake", _file_backend(tmp_path), _probe(port), state)
     assert isinstance(store, ReconnectingStore)
     assert store.batch_exists(["page"]) == 0
     assert store.set("page", page) is False
     assert store.batch_get_v1(["page"], torch.zeros(1, dtype=torch.int64)) == [False]
-    assert STORE_STATS.snapshot()["faults"]["unavailable"] >= unavailable + 3
-    _until(lambda: store.batch_exists(["page"]) == 0 and RECONNECTS.failures > failures,
+    assert state.stats.snapshot()["faults"]["unavailable"] >= 3
+    _until(lambda: store.batch_exists(["page"]) == 0 and state.reconnects.failures > 0,
            "failed attempt counted")
     assert any(r.levelno == logging.WARNING and "still unreachable" in r.getMessage()
                and f"{HOST}:{port}" in r.getMessage() for r in caplog.records)
-    attempts = RECONNECTS.attempts
+    attempts = state.reconnects.attempts
     answering()
     _until(lambda: store.set("page", page), "write through the reconnected store")
     assert store.exists("page") and list(tmp_path.glob("page*.bin"))
-    assert RECONNECTS.attempts > attempts
+    assert state.reconnects.attempts > attempts
     assert any("reachable again" in r.getMessage() for r in caplog.records)
 
 
@@ -175,7 +169,8 @@ def test_a_store_that_answers_but_cannot_be_built_ends_the_attempts(port, answer
         builds.append(1)
         raise ValueError("Invalid global_segment_size: missing number before 'gb'")
 
-    store = build_or_reconnect("mooncake", build, _probe(port))
+    state = StoreState()
+    store = build_or_reconnect("mooncake", build, _probe(port), state)
     assert isinstance(store, ReconnectingStore) and not builds
     answering()
 
@@ -185,8 +180,8 @@ def test_a_store_that_answers_but_cannot_be_built_ends_the_attempts(port, answer
                    "global_segment_size" in r.getMessage() for r in caplog.records)
 
     _until(refused, "ERROR line for the build")
-    attempts = RECONNECTS.attempts
+    attempts = state.reconnects.attempts
     for _ in range(5):  # several intervals: none starts another attempt
         time.sleep(2 * RETRY_SECONDS)
         assert store.batch_exists(["page"]) == 0
-    assert builds == [1] and RECONNECTS.attempts == attempts
+    assert builds == [1] and state.reconnects.attempts == attempts

@@ -22,8 +22,6 @@ from tests.support.host_pools import TOKEN_PAGE, HostPool, file_storage, flat_pa
 from vericache_sglang.codec import coarser, finer
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.quant import QuantTier
-from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.stores.reloaded import RELOADED
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
 PAGE = 64
@@ -48,7 +46,8 @@ def _pool(keys: torch.Tensor | None, values: torch.Tensor | None,
 
 @pytest.fixture
 def stored(tmp_path: Path, model_kv):
-    """A store of 64-token pages holding two pages of real float32 KV, and that KV."""
+    """A store of 64-token pages holding two pages of real float32 KV (its reloaded codes in
+    `storage.state.reloaded`), and that KV."""
     storage = file_storage(tmp_path / "pages")
     storage.register_mem_pool_host(HostPool("layer_first", torch.float32))
     keys, values = (t[:, TOKENS[0]:TOKENS[1]].float() for t in model_kv)
@@ -56,8 +55,7 @@ def stored(tmp_path: Path, model_kv):
         rows = slice(page * PAGE, (page + 1) * PAGE)
         assert storage.set(f"{page:064x}", flat_page(keys[:, rows], values[:, rows],
                                                      "layer_first"))
-    yield storage, keys, values
-    RELOADED.accept(None)
+    return storage, keys, values
 
 
 def _read(storage) -> list[str]:
@@ -75,15 +73,15 @@ def test_reloaded_pages_are_the_pools_own_pages_without_quantizing(stored):
     assert reference.compressed_pages == 4
 
     pool, slots = _pool(None, None)  # the full KV is zeros: nothing to quantize from
-    RELOADED.accept(pool)
-    before = RELOADED.snapshot()
+    reloaded = storage.state.reloaded
+    reloaded.accept(pool)
     page_keys = _read(storage)
-    assert len(RELOADED) == 2
-    RELOADED.install(page_keys, slots, PAGE)
+    assert len(reloaded) == 2
+    reloaded.install(page_keys, slots, PAGE)
     got = pool.pages(slots.to(torch.int32))  # found whatever the slots' integer dtype
     assert pool.compressed_pages == 0 and pool.installed_pages == 4
-    assert RELOADED.snapshot()["installed_pages"] - before["installed_pages"] == 4
-    assert len(RELOADED) == 0
+    assert reloaded.snapshot()["installed_pages"] == 4
+    assert len(reloaded) == 0
     for layer in range(30):
         for mine, theirs in zip(
                 (pool.k_codes, pool.k_scale, pool.k_zero, pool.v_codes, pool.v_scale,
@@ -142,14 +140,14 @@ def test_codes_of_another_geometry_are_skipped_at_load_back(stored):
     their slots, as it does for a page no store offered codes for."""
     storage, keys, values = stored
     pool, slots = _pool(keys, values, "kivi:bits=2")
-    RELOADED.accept(pool)
-    before = RELOADED.snapshot()
+    reloaded = storage.state.reloaded
+    reloaded.accept(pool)
     page_keys = _read(storage)
-    assert len(RELOADED) == 2
-    RELOADED.install(page_keys, slots, PAGE)
-    after = RELOADED.snapshot()
-    assert after["skipped_pages"] - before["skipped_pages"] == 2
-    assert after["installed_pages"] == before["installed_pages"] and len(RELOADED) == 0
+    assert len(reloaded) == 2
+    reloaded.install(page_keys, slots, PAGE)
+    counts = reloaded.snapshot()
+    assert counts["skipped_pages"] == 2
+    assert counts["installed_pages"] == 0 and len(reloaded) == 0
     assert pool.installed_pages == 0
     got = pool.pages(slots)
     assert pool.compressed_pages == 4
@@ -166,14 +164,14 @@ def test_another_compressors_stream_gives_its_exact_kv_and_no_codes(stored, tmp_
     fault, and the files stay."""
     storage, keys, values = stored
     pool, _ = _pool(None, None, "kivi:bits=2")
-    RELOADED.accept(pool)
     two_bit = file_storage(tmp_path / "pages")
     two_bit.compressor = "kivi:bits=2"
     two_bit.register_mem_pool_host(HostPool("layer_first", torch.float32))
-    before, faults = RELOADED.snapshot(), STORE_STATS.snapshot()["faults"]
+    reloaded = two_bit.state.reloaded
+    reloaded.accept(pool)
     _read(two_bit)
-    assert RELOADED.snapshot()["skipped_pages"] - before["skipped_pages"] == 2
-    assert len(RELOADED) == 0 and STORE_STATS.snapshot()["faults"] == faults
+    assert reloaded.snapshot()["skipped_pages"] == 2
+    assert len(reloaded) == 0 and not any(two_bit.state.stats.snapshot()["faults"].values())
     target = torch.zeros(TOKEN_PAGE * PAGE)
     assert two_bit.get(f"{1:064x}", target) is target
     assert torch.equal(target, flat_page(keys[:, PAGE:], values[:, PAGE:], "layer_first"))
@@ -183,29 +181,26 @@ def test_another_compressors_stream_gives_its_exact_kv_and_no_codes(stored, tmp_
 def test_waiting_codes_are_bounded_oldest_first(stored):
     storage, keys, values = stored
     pool, _ = _pool(None, None)
-    RELOADED.accept(pool)
-    capacity, RELOADED.capacity = RELOADED.capacity, 1
-    try:
-        dropped = RELOADED.dropped
-        page_keys = _read(storage)
-        assert len(RELOADED) == 1 and RELOADED.dropped == dropped + 1
-        assert RELOADED.take(page_keys[0]) is None and RELOADED.take(page_keys[1]) is not None
-    finally:
-        RELOADED.capacity = capacity
+    reloaded = storage.state.reloaded
+    reloaded.accept(pool)
+    reloaded.capacity = 1
+    page_keys = _read(storage)
+    assert len(reloaded) == 1 and reloaded.dropped == 1
+    assert reloaded.take(page_keys[0]) is None and reloaded.take(page_keys[1]) is not None
 
 
 def test_nothing_waits_without_a_pool_or_for_a_token_dropper(stored, tmp_path):
     storage, _, _ = stored
-    RELOADED.accept(None)
+    storage.state.reloaded.accept(None)
     _read(storage)
-    assert len(RELOADED) == 0
+    assert len(storage.state.reloaded) == 0
     # A token dropper's stream carries 4-bit KIVI bins as the exact part's predictor only.
     pool, _ = _pool(None, None)
-    RELOADED.accept(pool)
     dropper = file_storage(tmp_path / "snapkv")
+    dropper.state.reloaded.accept(pool)
     dropper.compressor = "snapkv:ratio=0.25"
     dropper.register_mem_pool_host(HostPool("layer_first", torch.float32))
     page = torch.zeros(TOKEN_PAGE * PAGE)
     assert dropper.set("e" * 64, page)
     assert dropper.get("e" * 64, torch.empty_like(page)) is not None
-    assert len(RELOADED) == 0
+    assert len(dropper.state.reloaded) == 0

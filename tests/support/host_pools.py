@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 from vericache_sglang.stores.file import VeriCacheFileStorage
+from vericache_sglang.stores.state import StoreState
 
 TOKEN_PAGE = 2 * 30 * 3 * 64
 """Floats in a page of one token of the demo model's K and V, every layer."""
@@ -86,13 +87,14 @@ def bits(page: torch.Tensor) -> torch.Tensor:
     return page.view(torch.int16 if page.element_size() == 2 else torch.int32)
 
 
-def file_storage(directory: Path) -> VeriCacheFileStorage:
-    """VeriCache's file store of the demo model's page-first pages under `directory`."""
+def file_storage(directory: Path, state: StoreState | None = None) -> VeriCacheFileStorage:
+    """VeriCache's file store of the demo model's page-first pages under `directory`, counting
+    in `state` (a store state of its own by default: `storage.state`)."""
     config = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
         model_name="demo", extra_config={"file_storage_path": str(directory)})
-    return VeriCacheFileStorage(config)
+    return VeriCacheFileStorage(config, state or StoreState())
 
 
 def page_file(storage: VeriCacheFileStorage, key: str) -> Path:

@@ -23,8 +23,7 @@ from vericache_sglang.attention.verify import VerifyAttnBackend
 from vericache_sglang.compress import Compressor
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.config import get_config
-from vericache_sglang.stores.pending import PENDING
-from vericache_sglang.stores.reloaded import RELOADED
+from vericache_sglang.stores.state import StoreState
 from vericache_sglang.tiers.budget import DevicePlan, device_plan
 from vericache_sglang.tiers.compressed import CompressedTier
 from vericache_sglang.tiers.compressed_pool import CompressedPagePool, follow_frees, pool_pages
@@ -48,7 +47,8 @@ def verifies_natively(decode_backend: str | None, placement: str) -> bool:
 class RoundBackends:
     """The compressed tier, the staging area and the backends of draft and verify forwards."""
 
-    def __init__(self, runner, server_args, compressor: Compressor, placement: str) -> None:
+    def __init__(self, runner, server_args, compressor: Compressor, placement: str,
+                 store_state: StoreState) -> None:
         self.runner = runner
         self.compressor = compressor
         self.placement = placement
@@ -70,11 +70,11 @@ class RoundBackends:
             self.pool.follow(runner.token_to_kv_pool_allocator)
             if get_config(server_args).vericache_early_drafting:
                 # A page waiting for its exact KV is never written where SGLang freed it.
-                follow_frees(runner.token_to_kv_pool_allocator, PENDING.released,
-                             PENDING.clear)
+                follow_frees(runner.token_to_kv_pool_allocator, store_state.pending.released,
+                             store_state.pending.clear)
             if self.staging is not None:
                 self.pool.on_read = self.staging.record_direct
-        RELOADED.accept(self.pool)  # a reloaded prefix's pages, decoded by the store
+        store_state.reloaded.accept(self.pool)  # a reloaded prefix's pages, decoded by the store
         self.draft = DraftAttnBackend(runner, self.tier, self.pool, self.staging)
         # A prefill drafting over a stored prefix between other requests' rounds keeps its
         # scratch tail across them (speculative/parking.py): a backend of its own.

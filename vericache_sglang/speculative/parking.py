@@ -33,7 +33,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.hooks import hook
 from vericache_sglang.speculative.early import EarlyDrafting
-from vericache_sglang.stores.pending import PENDING, PendingExact
+from vericache_sglang.stores.pending import PendingExact
 
 PREFILL_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 INFLIGHT_TARGET = "sglang.srt.managers.scheduler.Scheduler._collect_inflight_batches"
@@ -58,7 +58,8 @@ class Parking:
     new_drafting: Callable[[Any], EarlyDrafting]
     drafting_goes_on: Callable[[torch.Tensor], bool]
     """Writes the pages of a context that arrived; whether any is still arriving."""
-    pending: PendingExact = PENDING
+    pending: PendingExact
+    """The server's pages waiting for their exact KV (its `StoreState`)."""
     parked: ParkedPrefill | None = None
     _taken: ParkedPrefill | None = None
     totals: dict[str, float] = field(default_factory=lambda: {

@@ -4,20 +4,16 @@ Prometheus (`--enable-metrics`), and each request's own figures in its `meta_inf
 from __future__ import annotations
 
 from vericache_sglang.metrics import RoundCounts, VeriCacheMetrics
-from vericache_sglang.stores.admission import ADMISSION
-from vericache_sglang.stores.link import LINK
-from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.stores.pending import PENDING
-from vericache_sglang.stores.reconnect import RECONNECTS
-from vericache_sglang.stores.reloaded import RELOADED
+from vericache_sglang.stores.state import StoreState
 from vericache_sglang.tiers.staging import FetchStats
 
 
 class WorkerStats:
     """Cumulative over all requests (per-request figures go to `meta_info`)."""
 
-    def __init__(self, metrics: VeriCacheMetrics | None) -> None:
+    def __init__(self, metrics: VeriCacheMetrics | None, store: StoreState) -> None:
         self.metrics = metrics
+        self.store = store  # the server's store counts, brought to /metrics after each step
         self.totals = RoundCounts()
         # Full-tier reads of prefill forwards, and of decoding (drafting windows, pages being
         # compressed, verification).
@@ -71,17 +67,18 @@ class WorkerStats:
         self.add(RoundCounts(verify_rounds=rounds, drafted_tokens=drafted * rounds,
                              plain_decode_steps=len(verified) - rounds), compressed_pages)
         if self.metrics is not None:
-            self.metrics.record_store(STORE_STATS.snapshot(), {
-                "store_reads_declined": ADMISSION.declined_pages,
-                "store_read_probes": ADMISSION.probes,
-                "reloaded_pages_installed": RELOADED.installed,
-                "reloaded_pages_skipped": RELOADED.skipped,
-                "store_reconnect_attempts": RECONNECTS.attempts,
-                "store_reconnect_failures": RECONNECTS.failures,
-                "early_exact_failed": PENDING.poisoned,
-                "early_exact_timed_out": PENDING.timed_out,
-                "early_pages_recomputed": PENDING.recomputed,
-                "early_prefills_parked": prefills_parked}, LINK.mbit())
+            store = self.store
+            self.metrics.record_store(store.stats.snapshot(), {
+                "store_reads_declined": store.admission.declined_pages,
+                "store_read_probes": store.admission.probes,
+                "reloaded_pages_installed": store.reloaded.installed,
+                "reloaded_pages_skipped": store.reloaded.skipped,
+                "store_reconnect_attempts": store.reconnects.attempts,
+                "store_reconnect_failures": store.reconnects.failures,
+                "early_exact_failed": store.pending.poisoned,
+                "early_exact_timed_out": store.pending.timed_out,
+                "early_pages_recomputed": store.pending.recomputed,
+                "early_prefills_parked": prefills_parked}, store.link.mbit())
 
     def settle(self, row: int, emitted: int, accepted: int, compressed_pages: int) -> None:
         """Count the tokens request `row` of the last step kept of its verified round."""

@@ -88,12 +88,7 @@ from vericache_sglang.speculative.round import Round, room
 from vericache_sglang.speculative.sampling import SamplingRows
 from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_info
 from vericache_sglang.speculative.verification import judge, verify, write_logprobs
-from vericache_sglang.stores.admission import ADMISSION
-from vericache_sglang.stores.link import LINK
-from vericache_sglang.stores.pages import STORE_STATS
-from vericache_sglang.stores.pending import PENDING, Settled
-from vericache_sglang.stores.reconnect import RECONNECTS
-from vericache_sglang.stores.reloaded import RELOADED
+from vericache_sglang.stores.state import store_state
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +105,9 @@ class VeriCacheWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
         self.forwards = TargetForwards(target_worker)
+        # What this server's store measures and holds; its storage backend, built after this
+        # worker, finds the same state on the server's arguments (stores/state.py).
+        self.store_state = store_state(server_args)
         config = get_config(server_args)
         self.compressor = parse_compressor_spec(config.vericache_compressor)
         self.policy = DraftLengthPolicy(
@@ -142,7 +140,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.stash = Stash()
         # A prefill whose stored prefix is still arriving, waiting beside the running batch.
         self.parking = (Parking(self._context, self._may_draft_early, self._new_drafting,
-                                self._drafting_goes_on)
+                                self._drafting_goes_on, self.store_state.pending)
                         if config.vericache_early_drafting else None)
         # Built in init_attention_backends(), once the target's KV pools exist.
         self.backends: RoundBackends | None = None
@@ -150,7 +148,7 @@ class VeriCacheWorker(BaseSpecWorker):
         # Logged, reported in /server_info, and Prometheus counters with --enable-metrics.
         self.stats = WorkerStats(
             VeriCacheMetrics(server_args.served_model_name or server_args.model_path)
-            if server_args.enable_metrics else None)
+            if server_args.enable_metrics else None, self.store_state)
         if torch.device(self.device).type == "cpu":
             # Timed now, not in the first request's drafting forward (cpu/few_rows.py).
             logger.info("VeriCache worker: W @ X^T GEMM form in drafting forwards of %s rows",
@@ -168,7 +166,7 @@ class VeriCacheWorker(BaseSpecWorker):
         logger.info("VeriCache attention: %s",
                     attention_features.describe(self.model_runner.model).summary())
         self.backends = RoundBackends(self.model_runner, self.server_args, self.compressor,
-                                      self.placement)
+                                      self.placement, self.store_state)
         logger.info("VeriCache memory: %s", self.memory_report())
 
     def memory_report(self) -> dict[str, Any]:
@@ -181,7 +179,6 @@ class VeriCacheWorker(BaseSpecWorker):
         stats, backends = self.stats, self.backends
         decode = stats.fetched["decode"]
         emitted = stats.totals.emitted_tokens + stats.totals.plain_decode_steps
-        store = STORE_STATS.snapshot()
         return {
             "full_tier": self.placement,
             "device_bytes": backends.device_bytes(stats.peak_round_bytes, self.stash.nbytes()),
@@ -198,15 +195,10 @@ class VeriCacheWorker(BaseSpecWorker):
             "decode_read_bytes_per_emitted_token": decode.bytes / emitted if emitted else 0.0,
             "decode_fetch_hidden_fraction": decode.hidden_fraction(),
             "totals": dict(vars(stats.totals)),
-            "disk_faults": store["faults"],
-            "store_io": store["io"],
-            "store_reads": ADMISSION.snapshot(),
-            "store_reconnects": {"attempts": RECONNECTS.attempts,
-                                 "failures": RECONNECTS.failures},
-            "reloaded_pages": RELOADED.snapshot(),
-            "early_drafting": {**PENDING.snapshot(), **stats.early_report(),
+            **self.store_state.report(),
+            "early_drafting": {**self.store_state.pending.snapshot(), **stats.early_report(),
                                **({} if self.parking is None else self.parking.totals),
-                               "store_link_mbit": LINK.mbit()},
+                               "store_link_mbit": self.store_state.link.mbit()},
             "compressed_pages_quantized": backends.compressed_pages,
         }
 
@@ -219,7 +211,7 @@ class VeriCacheWorker(BaseSpecWorker):
             self.backends.reset_tier()
         self._owners.clear()
         self.stash.clear()
-        PENDING.clear()
+        self.store_state.pending.clear()
         if self.drafter is not None:
             self.drafter.reset()
         self._publish_sizes()
@@ -287,21 +279,22 @@ class VeriCacheWorker(BaseSpecWorker):
         for it (the barrier, bounded by `--vericache-store-timeout`): a prefill that may
         drafts over the compressed tier meanwhile, and its drafts (per request) are returned.
         Pages in the context whose exact KV cannot come are recomputed first."""
-        if not PENDING.enabled:
+        pending = self.store_state.pending
+        if not pending.enabled:
             return None
-        context = self._context(batch) if PENDING.waiting_in() else None
+        context = self._context(batch) if pending.waiting_in() else None
         drafts = None
         # Drafting a parked prefill began between the running batch's steps (parking.py).
         drafting = None if self.parking is None else self.parking.claim(batch)
-        if context is not None and PENDING.waiting_in(context):
+        if context is not None and pending.waiting_in(context):
             began = time.perf_counter()
-            if (drafting is None and PENDING.arriving_in(context)
+            if (drafting is None and pending.arriving_in(context)
                     and self._may_draft_early(batch)):
                 drafting = self._new_drafting(batch)
             if drafting is not None:
                 drafts = drafting.run(lambda: self._drafting_goes_on(context))
             seconds = time.perf_counter() - began
-            settled = PENDING.settle(context=context, block=True)
+            settled = pending.settle(context=context, block=True)
             logger.info("VeriCache early drafting: %s drafts in %.2f s over the compressed "
                         "KV, then %.2f s waiting for the exact KV of %d pages",
                         "no" if drafts is None else sum(map(len, drafts.tokens)), seconds,
@@ -309,12 +302,12 @@ class VeriCacheWorker(BaseSpecWorker):
         else:
             if drafting is not None:  # parked until its exact KV was in
                 drafts = drafting.finish()
-            settled = PENDING.settle(context=context, block=False)
-        self._write_settled(settled)
+            settled = pending.settle(context=context, block=False)
+        self.store_state.write_settled(settled, self.model_runner.token_to_kv_pool, self.device)
         if settled.failed:
             recomputed = recompute_prefixes(self.forwards, batch,
                                             list(settled.failed.values()))
-            PENDING.heal(recomputed, settled.failed, self._device_kv)
+            pending.heal(recomputed, settled.failed, self._device_kv)
         return drafts
 
     def _may_draft_early(self, batch) -> bool:
@@ -347,26 +340,10 @@ class VeriCacheWorker(BaseSpecWorker):
         replace coarse ones, so later drafts read them), and say whether any page in the
         prefill's `context` still waits. Failed pages wait for the barrier, which recomputes
         them."""
-        self._write_settled(PENDING.settle(context=context, block=False, failures=False))
-        return PENDING.arriving_in(context)
-
-    def _write_settled(self, settled: Settled) -> None:
-        """Write settled pages' exact KV into their device slots, and their pool-level codes
-        over the coarse ones in the compressed pool."""
-        pool = self.model_runner.token_to_kv_pool
-        if settled.writes and str(self.device).startswith("cuda"):
-            # SGLang's host-to-device load of these pages runs on its own stream; it read
-            # the host page before or after its exact KV came: write the slots after it
-            # (not yet run on a GPU).
-            torch.cuda.synchronize()
-        for slots, kv in settled.writes:
-            index = slots.to(torch.int64).to(self.device)
-            for layer in range(kv.shape[1]):
-                pool.k_buffer[layer][index] = kv[0, layer].to(self.device)
-                pool.v_buffer[layer][index] = kv[1, layer].to(self.device)
-        if RELOADED.pool is not None:
-            for slots, codes in settled.codes:
-                PENDING.refined += RELOADED.pool.install(slots, codes, replace=True)
+        pending = self.store_state.pending
+        settled = pending.settle(context=context, block=False, failures=False)
+        self.store_state.write_settled(settled, self.model_runner.token_to_kv_pool, self.device)
+        return pending.arriving_in(context)
 
     def _device_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """[2, L, n, H, D]: the full KV at device `slots`, on the host."""
@@ -413,13 +390,14 @@ class VeriCacheWorker(BaseSpecWorker):
         with (self.forwards.bound(backends.draft) if scoring
               else self.forwards.full_kv(backends.full)):
             result = self._target_worker.forward_batch_generation(batch)
-        if ADMISSION.enabled and batch.extend_num_tokens:
+        admission = self.store_state.admission
+        if admission.enabled and batch.extend_num_tokens:
             # The store's read-or-recompute choice needs the prefill rate. On a GPU the forward
             # only queued its kernels: wait for them (with --vericache-store-reads auto only;
             # not yet run on a GPU). On a CPU the forward has run.
             if str(self.device).startswith("cuda"):
                 torch.cuda.synchronize()
-            ADMISSION.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
+            admission.record_prefill(batch.extend_num_tokens, time.perf_counter() - began)
         return self._prefilled(batch, result)
 
     def _prefill_after_drafting(self, batch, drafts: EarlyDrafts) -> GenerationBatchResult:

@@ -2,7 +2,7 @@
 
 CacheGen's rule for a prefix behind a link: reading k pages costs k times what reading one
 takes (transfer, then decoding the stream), recomputing them costs their prefill. With
-`--vericache-store-reads auto` this process keeps both rates as it measures them (seconds per
+`--vericache-store-reads auto` the server keeps both rates as it measures them (seconds per
 token of the pages its store reads, seconds per token of the prefills its worker runs), and
 once both are known the store reports no hit for a prefix whose pages would take longer to read
 than to prefill: SGLang then prefills it, the output is the same (a prefill is what a miss
@@ -50,8 +50,9 @@ class Rate:
 
 
 class ReadOrRecompute:
-    """This process's measured read and prefill rates, and the choice they make. `enabled`:
-    `--vericache-store-reads auto` (the store sets it from its server's flags)."""
+    """A server's measured read and prefill rates, and the choice they make (one per server,
+    in its `StoreState`). `enabled`: `--vericache-store-reads auto` (the store sets it from its
+    server's flags)."""
 
     def __init__(self, enabled: bool = False, probe_every: int = PROBE_EVERY) -> None:
         if probe_every < 1:
@@ -118,7 +119,3 @@ class ReadOrRecompute:
                     "probes": self.probes,
                     "read_seconds_per_token": self.read.seconds_per_token,
                     "prefill_seconds_per_token": self.prefill.seconds_per_token}
-
-
-ADMISSION = ReadOrRecompute()
-"""The choice for this process's store (one scheduler process, one store)."""

@@ -23,8 +23,8 @@ another dtype or page shape: file names do not say), unreadable, or that cannot 
 (full or read-only disk) is a miss: SGLang stops the prefetch at that page and the rest of the
 prompt is prefilled, so the output is the same. Only a corrupted file (its digest fails) is
 removed, to be written again; the others stay, whoever wrote them. Each kind of fault is
-logged once and counted (`STORE_STATS`, `vericache:disk_faults` on `/metrics`), with the bytes
-and codec time.
+logged once and counted (the server's `StoreStats`, `vericache:disk_faults` on `/metrics`),
+with the bytes and codec time.
 """
 
 from __future__ import annotations
@@ -42,17 +42,9 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConf
 
 from vericache_sglang.codec import StreamError
 
-from .admission import ADMISSION
 from .codec_worker import CodecTimeout
-from .pages import (
-    STORE_STATS,
-    PageCoder,
-    PageWindow,
-    fault_kind,
-    store_reads_auto,
-    vericache_compressor,
-)
-from .reloaded import RELOADED
+from .pages import PageCoder, PageWindow, fault_kind, store_reads_auto, vericache_compressor
+from .state import StoreState, served_store_state
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +59,18 @@ class FileBackend(HiCacheFile):
         compressor = vericache_compressor()
         if compressor is None:
             return HiCacheFile(storage_config, *args, **kwargs)
-        return VeriCacheFileStorage(storage_config, compressor=compressor)
+        return VeriCacheFileStorage(storage_config, served_store_state(), compressor=compressor)
 
 
 class VeriCacheFileStorage(HiCacheFile):
     """SGLang's file backend storing each page coded (or raw with a keyed digest), checking
     every read."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, compressor: str = "kivi:bits=4"):
+    def __init__(self, storage_config: HiCacheStorageConfig, state: StoreState,
+                 compressor: str = "kivi:bits=4"):
         super().__init__(storage_config)
+        self.state = state
+        """The server's store state: counts, the read-or-recompute choice, reloaded codes."""
         self.compressor = compressor
         self._coder: PageCoder | None = None
         self._window = PageWindow()
@@ -91,8 +86,8 @@ class VeriCacheFileStorage(HiCacheFile):
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
         page_size = getattr(mem_pool_host, "page_size", 1)
         self._page_tokens = page_size
-        ADMISSION.enabled = store_reads_auto()
-        RELOADED.bound_by(mem_pool_host)
+        self.state.admission.enabled = store_reads_auto()
+        self.state.reloaded.bound_by(mem_pool_host)
         if self._coder is not None:
             logger.info("VeriCache store: pages of %d tokens are stored as CacheGen streams "
                         "(levels %s bits, then the exact KV), coded by %d process(es)",
@@ -130,7 +125,7 @@ class VeriCacheFileStorage(HiCacheFile):
     def _fault(self, kind: str, key: str, detail: str) -> None:
         """Count page `key`'s fault; forget a page that is gone, and remove a corrupted one
         (only a failed digest proves the bytes are not what their writer stored)."""
-        STORE_STATS.record(kind, key, detail)
+        self.state.stats.record(kind, key, detail)
         if kind in ("missing", "corrupt"):
             self._discard(key)
 
@@ -141,13 +136,13 @@ class VeriCacheFileStorage(HiCacheFile):
                 lost = key in self._written
                 self._written.discard(key)
             if lost:
-                STORE_STATS.record("missing", key, "its file is gone")
+                self.state.stats.record("missing", key, "its file is gone")
         return found
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Stored pages at the front of `keys`, or none where recomputing them is measured to
         be faster (`--vericache-store-reads auto`)."""
-        return ADMISSION.pages_to_read(super().batch_exists(keys, extra_info))
+        return self.state.admission.pages_to_read(super().batch_exists(keys, extra_info))
 
     def _read(self, key: str, limit: int) -> bytearray | None:
         """The page file's bytes (at most `limit`), or None (a counted fault)."""
@@ -196,8 +191,9 @@ class VeriCacheFileStorage(HiCacheFile):
     def _count_read(self, loaded: tuple[str, int], target: torch.Tensor,
                     seconds: float) -> None:
         form, stored = loaded
-        STORE_STATS.add("read", form, stored, target.numel() * target.element_size(), seconds)
-        ADMISSION.record_read(self._page_tokens, seconds)
+        self.state.stats.add("read", form, stored, target.numel() * target.element_size(),
+                             seconds)
+        self.state.admission.record_read(self._page_tokens, seconds)
 
     def _load(self, key: str, target_location: torch.Tensor) -> tuple[str, int] | None:
         """Page `key` checked and written into `target_location`: its form and stored bytes,
@@ -209,14 +205,15 @@ class VeriCacheFileStorage(HiCacheFile):
             if record is None:
                 return None
             try:
-                self._coder.decode(memoryview(record), self._get_suffixed_key(key),
-                                   target_location, page_key=key)
+                tiers = self._coder.decode(memoryview(record), self._get_suffixed_key(key),
+                                           target_location)
             except StreamError as e:
                 self._fault(fault_kind(e), key, str(e))
                 return None
             except CodecTimeout as e:  # the codec process hung: the file may be fine
-                STORE_STATS.record("timeout", key, str(e))
+                self.state.stats.record("timeout", key, str(e))
                 return None
+            self.state.reloaded.decoded(key, tiers, self._coder.pool_level)
             form = "coded"
         else:
             record = self._read(key, expected + DIGEST_BYTES + 1)
@@ -246,7 +243,7 @@ class VeriCacheFileStorage(HiCacheFile):
             try:
                 blob = self._coder.encode(value.contiguous(), self._get_suffixed_key(key))
             except CodecTimeout as e:
-                STORE_STATS.record("timeout", key, str(e))
+                self.state.stats.record("timeout", key, str(e))
                 return False
             record, form = torch.frombuffer(bytearray(blob), dtype=torch.uint8), "coded"
         else:
@@ -257,11 +254,11 @@ class VeriCacheFileStorage(HiCacheFile):
         seconds = time.perf_counter() - began
         if not super().set(key, record):
             if not super().exists(key):
-                STORE_STATS.record("write_error", key,
-                                   f"could not write under {self.file_path}")
+                self.state.stats.record("write_error", key,
+                                        f"could not write under {self.file_path}")
             return False
         with self._written_lock:
             self._written.add(key)
-        STORE_STATS.add("written", form, record.numel(), kv_bytes, seconds)
+        self.state.stats.add("written", form, record.numel(), kv_bytes, seconds)
         return True
 

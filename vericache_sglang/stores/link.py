@@ -60,14 +60,10 @@ class LinkMeter:
         return 0.0 if rate is None else rate * 8 / 1e6
 
 
-LINK = LinkMeter()
-"""This process's store link."""
-
-
 class DraftingPlan:
     """One batch's drafting reads against the deadline (see the module docstring)."""
 
-    def __init__(self, pages: int, deadline: float, meter: LinkMeter = LINK,
+    def __init__(self, pages: int, deadline: float, meter: LinkMeter,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self._lock = threading.Lock()
         self._meter = meter

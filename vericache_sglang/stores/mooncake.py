@@ -22,7 +22,7 @@ fails a read on `LEASE_EXPIRED` (`leased_reads.py`), as SGLang's batched reads o
 unless the master's lease is raised. A read fetches and
 decodes several pages at once, one per codec process (`codec_worker.CodecPool`) and one more
 fetching ahead, and writes them into the host pool in order. A page whose object is
-missing, short, corrupted or foreign is a counted miss (`STORE_STATS`): the prefetch stops
+missing, short, corrupted or foreign is a counted miss (`StoreStats`): the prefetch stops
 there and the rest is prefilled. Only a corrupted page (a digest fails) is removed, to be
 written again: servers of other configurations (dtype, compressor, page shape) share the
 store's object names, and a page one of them wrote is another's foreign miss, left in place. A
@@ -55,23 +55,15 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
 from vericache_sglang.codec import StreamCorrupt, StreamError
+from vericache_sglang.compress.quant import QuantTier
 from vericache_sglang.config import served_config
 
-from .admission import ADMISSION
 from .codec_worker import CodecTimeout
 from .leased_reads import LeasedReader
-from .link import LINK, DraftingPlan
-from .pages import (
-    STORE_STATS,
-    PageCoder,
-    PageWindow,
-    fault_kind,
-    store_reads_auto,
-    vericache_compressor,
-)
-from .pending import PENDING
+from .link import DraftingPlan
+from .pages import PageCoder, PageWindow, fault_kind, store_reads_auto, vericache_compressor
 from .reconnect import build_or_reconnect
-from .reloaded import RELOADED
+from .state import StoreState, served_store_state
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +101,22 @@ class MooncakeBackend(MooncakeStore):
         compressor = vericache_compressor()
         if compressor is None:
             return MooncakeStore(storage_config, mem_pool)
+        state = served_store_state()  # on the scheduler thread: a retry builds in its own
         return build_or_reconnect(
             "mooncake",
-            lambda: VeriCacheMooncakeStore(storage_config, mem_pool, compressor=compressor),
-            lambda: master_unreachable(storage_config))
+            lambda: VeriCacheMooncakeStore(storage_config, mem_pool, state, compressor=compressor),
+            lambda: master_unreachable(storage_config), state)
 
 
 class VeriCacheMooncakeStore(MooncakeStore):
     """SGLang's Mooncake backend storing each page as one coded object."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig = None, mem_pool: Any = None,
+    def __init__(self, storage_config: HiCacheStorageConfig, mem_pool: Any, state: StoreState,
                  compressor: str = "kivi:bits=4") -> None:
         super().__init__(storage_config, mem_pool)
+        self.state = state
+        """The server's store state: counts, the read-or-recompute choice, the link's rate,
+        reloaded codes and pages waiting for their exact KV."""
         self.compressor = compressor
         self._coder: PageCoder | None = None
         self._window = PageWindow()
@@ -130,8 +126,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        ADMISSION.enabled = store_reads_auto()
-        RELOADED.bound_by(mem_pool_host)
+        self.state.admission.enabled = store_reads_auto()
+        self.state.reloaded.bound_by(mem_pool_host)
         if self.is_mla_backend or self.should_split_heads:
             return
         self._coder = PageCoder.for_pool(mem_pool_host, self.compressor)
@@ -140,10 +136,10 @@ class VeriCacheMooncakeStore(MooncakeStore):
                         "stores them (--page-size 64 codes them)", mem_pool_host.page_size)
             return
         self._window.start()
-        self._reader = LeasedReader(self.store, LINK, sharing=self._window.in_flight)
+        self._reader = LeasedReader(self.store, self.state.link, sharing=self._window.in_flight)
         if served_config().vericache_early_drafting:
-            PENDING.attach(mem_pool_host, self._coder.kv,
-                           deadline=served_config().vericache_store_timeout)
+            self.state.pending.attach(mem_pool_host, self._coder.kv,
+                                      deadline=served_config().vericache_store_timeout)
             self._exact = ThreadPoolExecutor(self._window.in_flight,
                                              thread_name_prefix="vericache-store-exact")
             logger.info("VeriCache Mooncake store: early drafting: a page answers SGLang's "
@@ -167,14 +163,15 @@ class VeriCacheMooncakeStore(MooncakeStore):
         be faster (`--vericache-store-reads auto`)."""
         hits = (super().batch_exists(keys, extra_info) if self._coder is None
                 else self._coded_hits(keys))
-        return ADMISSION.pages_to_read(hits)
+        return self.state.admission.pages_to_read(hits)
 
     def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
         found = self._batch_exist([self._objects(name)[2] for name in names])
         hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
         if hits < len(keys) and found[hits] < 0:  # an error code: the store is unreachable
-            STORE_STATS.record("read_error", names[hits], f"lookup failed ({found[hits]})")
+            self.state.stats.record("read_error", names[hits],
+                                    f"lookup failed ({found[hits]})")
         return hits
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -195,18 +192,19 @@ class VeriCacheMooncakeStore(MooncakeStore):
             try:
                 blob, kv_bytes, seconds = next(coded).result()
             except CodecTimeout as e:  # the codec process hung (killed and replaced)
-                STORE_STATS.record("timeout", name, str(e))
+                self.state.stats.record("timeout", name, str(e))
                 results.append(False)
                 continue
             code = self._put(name, blob)
             if code != 0:
-                STORE_STATS.record("write_error", name, f"the store refused the page ({code})")
+                self.state.stats.record("write_error", name,
+                                        f"the store refused the page ({code})")
                 results.append(False)
                 if code != FULL:  # unreachable: the rest of the batch would wait just as long
                     results += [False] * (len(names) - len(results))
                     break
                 continue
-            STORE_STATS.add("written", "coded", len(blob), kv_bytes, seconds)
+            self.state.stats.add("written", "coded", len(blob), kv_bytes, seconds)
             results.append(True)
         coded.close()
         return results
@@ -262,19 +260,19 @@ class VeriCacheMooncakeStore(MooncakeStore):
                 self._fault(name, e)
                 break
             except CodecTimeout as e:  # the codec process hung: the page may be fine
-                STORE_STATS.record("timeout", name, str(e))
+                self.state.stats.record("timeout", name, str(e))
                 break
             if not blob:
-                STORE_STATS.record("missing", name, "the store has no such object")
+                self.state.stats.record("missing", name, "the store has no such object")
                 break
             index = host_indices[i * page].item()
             self.mem_pool_host.set_from_flat_data_page(index, target)
             now = time.perf_counter()
             seconds, began = now - began, now  # the page's share of the read: wall time
-            STORE_STATS.add("read", form, len(blob), target.numel() * target.element_size(),
-                            seconds)
+            self.state.stats.add("read", form, len(blob),
+                                 target.numel() * target.element_size(), seconds)
             if form == "coded":
-                ADMISSION.record_read(page, seconds)
+                self.state.admission.record_read(page, seconds)
             done.append((i, key, index, name, blob))
         reads.close()
         return done
@@ -282,12 +280,23 @@ class VeriCacheMooncakeStore(MooncakeStore):
     def _fault(self, name: str, error: StreamError) -> None:
         """Count stream `name`'s fault; remove its objects only where a digest failed (another
         configuration's page, or one cut short, stays)."""
-        STORE_STATS.record(fault_kind(error), name, str(error))
+        self.state.stats.record(fault_kind(error), name, str(error))
         if isinstance(error, StreamCorrupt):
             for part in self._objects(name):
                 # Forced: this read's own get leased the objects, and Mooncake refuses to
                 # remove a leased object (-706) until the lease runs out.
                 self.store.remove(part, force=True)
+
+    def _decode(self, blob: bytes, name: str, page_key: str | None,
+                drafting: bool = False) -> tuple[torch.Tensor, list[QuantTier]]:
+        """Stream `name`'s `blob` decoded (`PageCoder.decode`) into a new flat host page, and
+        its pool-level codes; with `page_key` (the page's storage hash) they are offered for
+        the page's reload (`reloaded.py`)."""
+        target = self.mem_pool_host.get_dummy_flat_data_page()
+        tiers = self._coder.decode(memoryview(blob), name, target, drafting=drafting)
+        if page_key is not None:
+            self.state.reloaded.decoded(page_key, tiers, self._coder.pool_level)
+        return target, tiers
 
     def _read(self, name: str, page_key: str) -> tuple[bytes | None, torch.Tensor | None, str]:
         """Page `name`'s stream and its exact KV as a flat host page (None, None: an object
@@ -303,8 +312,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         if not all(parts):
             return None, None, "coded"
         blob = b"".join(parts)
-        target = self.mem_pool_host.get_dummy_flat_data_page()
-        self._coder.decode(memoryview(blob), name, target, page_key=page_key)
+        target, _ = self._decode(blob, name, page_key)
         return blob, target, "coded"
 
     def _get_drafting(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -312,7 +320,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
         (the host page gets the level's lossy reconstruction, the compressed pool its codes),
         and fetch the rest of its stream behind it (`pending.py`)."""
         results = [False] * len(keys)
-        plan = DraftingPlan(len(keys), served_config().vericache_drafting_deadline)
+        plan = DraftingPlan(len(keys), served_config().vericache_drafting_deadline,
+                            self.state.link)
         answered = self._read_pages(
             keys, host_indices, lambda name, key: self._read_drafting(name, key, plan))
         for i, *_ in answered:
@@ -323,8 +332,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
         # share the link and the codec processes with them, and drafting would start later.
         broken = threading.Event()  # set by the batch's first page whose exact part failed
         for _, key, index, name, head in answered:
-            PENDING.expect(key, index,
-                           self._exact.submit(self._read_exact, name, key, head, broken))
+            self.state.pending.expect(
+                key, index, self._exact.submit(self._read_exact, name, key, head, broken))
         return results
 
     def _read_drafting(self, name: str, page_key: str, plan: DraftingPlan
@@ -342,8 +351,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
             if not finer:
                 return None, None, "drafting"
             head, form = head + finer, "drafting"
-        target = self.mem_pool_host.get_dummy_flat_data_page()
-        self._coder.decode(memoryview(head), name, target, page_key=page_key, drafting=True)
+        target, _ = self._decode(head, name, page_key, drafting=True)
         return head, target, form
 
     def _read_exact(self, name: str, page_key: str, head: bytes,
@@ -355,7 +363,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
         without asking the store (`broken`): a store that died mid-stream costs one timeout,
         and the prefix is recomputed from that page on."""
         if broken.is_set():
-            PENDING.poison()
+            self.state.pending.poison()
             raise ExactPartLost("an earlier page's exact part failed")
         began = time.perf_counter()
         _, refinement, exact = self._objects(name)
@@ -364,9 +372,8 @@ class VeriCacheMooncakeStore(MooncakeStore):
             parts = [head, *([self._get(refinement)] if refine else []), self._get(exact)]
             if not all(parts):
                 raise ExactPartLost("the store has no exact object")
-            target = self.mem_pool_host.get_dummy_flat_data_page()
-            tiers = self._coder.decode(memoryview(b"".join(parts)), name, target,
-                                       page_key=page_key if refine else None)
+            target, tiers = self._decode(b"".join(parts), name,
+                                         page_key if refine else None)
         except Exception as e:
             broken.set()
             if isinstance(e, StreamError):
@@ -374,11 +381,11 @@ class VeriCacheMooncakeStore(MooncakeStore):
             else:
                 kind = ("missing" if isinstance(e, ExactPartLost)
                         else "timeout" if isinstance(e, CodecTimeout) else "read_error")
-                STORE_STATS.record(kind, name, str(e))
-            PENDING.poison()
+                self.state.stats.record(kind, name, str(e))
+            self.state.pending.poison()
             raise
         seconds = time.perf_counter() - began
         if refine:
-            STORE_STATS.add("read", "refine", len(parts[1]), 0, 0.0)
-        STORE_STATS.add("read", "exact", len(parts[-1]), 0, seconds)
+            self.state.stats.add("read", "refine", len(parts[1]), 0, 0.0)
+        self.state.stats.add("read", "exact", len(parts[-1]), 0, seconds)
         return target, tiers if refine else None

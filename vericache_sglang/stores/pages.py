@@ -3,8 +3,8 @@ storage counters.
 
 `PageCoder` turns a host pool's flat page (SGLang's `get_data_page` layout) into one CacheGen
 stream (`vericache_sglang.codec`) and back; `PageWindow` runs a batch's page jobs several at once
-and hands them back in order; `STORE_STATS` counts, per process, pages, bytes and codec time by
-direction and form, and faults by kind (`/metrics`, `/server_info`).
+and hands them back in order; `StoreStats` counts, per server (its `state.StoreState`), pages,
+bytes and codec time by direction and form, and faults by kind (`/metrics`, `/server_info`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from vericache_sglang.compress.registry import parse_compressor_spec
 from vericache_sglang.config import served_config
 
 from .codec_worker import CODEC_WORKER, Decoded
-from .reloaded import RELOADED
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ and layer swapped)."""
 
 
 class StoreStats:
-    """This process's storage counts: faults by kind (each logged the first time only), and
+    """A server's storage counts: faults by kind (each logged the first time only), and
     pages, bytes and codec seconds by direction and form."""
 
     def __init__(self) -> None:
@@ -81,9 +80,6 @@ class StoreStats:
         with self._lock:
             return {"faults": {kind: self.faults[kind] for kind in FAULT_KINDS},
                     "io": dict(self.io)}
-
-
-STORE_STATS = StoreStats()
 
 
 class PageCoder:
@@ -154,19 +150,16 @@ class PageCoder:
         return max(prefix_length(header, len(header.levels)) - len(head), 0)
 
     def decode(self, blob: bytes | memoryview, key: str, target: torch.Tensor,
-               page_key: str | None = None, drafting: bool = False) -> list[QuantTier]:
+               drafting: bool = False) -> list[QuantTier]:
         """Decode the exact KV of `blob` (with `drafting`: the finest lossy level it holds,
         `decode_page`) into the flat page `target`, in the codec process (`codec_worker.py`);
-        its pool-level codes are returned and, with `page_key` (the page's storage hash),
-        offered for the reloaded compressed pages (`reloaded.py`)."""
+        its pool-level codes are returned, for the store to offer them for the reloaded
+        compressed pages (`ReloadedCodes.decoded`: a coder, pickled to the codec processes,
+        holds no registry)."""
         keys, values, tiers = CODEC_WORKER.decode(self, blob, key, drafting=drafting)
         kv = self.kv(target)
         kv[0].copy_(keys)
         kv[1].copy_(values)
-        if page_key is not None and tiers:
-            RELOADED.offer(page_key, tiers)
-        elif page_key is not None and self.pool_level:  # `decode_page` kept none back
-            RELOADED.skip(page_key, "its stream's pool level is another compressor's")
         return tiers
 
     def own_pool_level(self, header: Header) -> bool:

@@ -83,7 +83,8 @@ class Settled:
 
 
 class PendingExact:
-    """This process's pages answered on their drafting level (see the module docstring).
+    """A server's pages answered on their drafting level (see the module docstring; one per
+    server, in its `StoreState`).
 
     Entries are per answer, not per key: two prefetches of one prefix that raced both answer
     into host pages of their own, and SGLang keeps one of them and frees the other.
@@ -107,7 +108,8 @@ class PendingExact:
         self.answered = self.settled = self.poisoned = self.recomputed = 0
         self.timed_out = 0
         self.refined = 0
-        """Compressed pool pages whose coarse codes the pool level's replaced (the worker)."""
+        """Compressed pool pages whose coarse codes the pool level's replaced
+        (`StoreState.write_settled`)."""
         self.waited_seconds = 0.0
 
     def attach(self, host_pool: Any, kv_of: Callable[[torch.Tensor], torch.Tensor],
@@ -314,8 +316,6 @@ class PendingExact:
                 "recomputed_pages": self.recomputed, "waiting_pages": waiting,
                 "failed_pages_held": failed, "barrier_wait_seconds": self.waited_seconds,
                 "refined_pool_pages": self.refined}
-
-PENDING = PendingExact()
 
 
 def check_early_drafting(server_args: Any, config: Any) -> str | None:

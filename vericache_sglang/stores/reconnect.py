@@ -9,8 +9,9 @@ build the real backend again at most every `VERICACHE_STORE_RETRY_SECONDS` (defa
 thread of its own: a store client may retry for a long time (Mooncake's setup tries 20 times,
 about 90 s) and SGLang's prefetch and backup threads must not wait for it. Each attempt first
 asks whether the store answers at all (`reachable`, a quick probe); each that fails is logged at
-WARNING and counted (`RECONNECTS`, `vericache:store_reconnect_failures`). Once built, the host
-pools SGLang registered are handed to the backend and every call goes to it.
+WARNING and counted (the server's `ReconnectStats`, `vericache:store_reconnect_failures`).
+Once built, the host pools SGLang registered are handed to the backend and every call goes to
+it.
 
 Only an outage is retried. A build that fails while the store answers, with an error that is
 not one a client raises for a store it cannot reach or set up (`OUTAGES`), is a configuration
@@ -25,14 +26,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
 from vericache_sglang import startup
 
-from .pages import STORE_STATS
+if TYPE_CHECKING:
+    from .state import StoreState
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class StoreUnusable(Exception):
 
 
 class ReconnectStats:
-    """This process's attempts to reach a store that was unreachable, and how many failed
+    """A server's attempts to reach a store that was unreachable, and how many failed
     (`/metrics`: vericache:store_reconnect_attempts and _failures)."""
 
     def __init__(self) -> None:
@@ -67,9 +69,6 @@ class ReconnectStats:
         with self._lock:
             self.attempts += 1
             self.failures += failed
-
-
-RECONNECTS = ReconnectStats()
 
 
 def retry_seconds() -> float:
@@ -108,23 +107,27 @@ def _attempt(name: str, build: Callable[[], HiCacheStorage],
 
 
 def build_or_reconnect(name: str, build: Callable[[], HiCacheStorage],
-                       reachable: Callable[[], str | None]) -> HiCacheStorage:
-    """`build()`, or a `ReconnectingStore` retrying it when the store cannot be reached.
-    `reachable()` is a quick probe: None when the store answers, else why not. Runs in the
-    scheduler while it starts: a build that no retry mends stops the server with one line."""
+                       reachable: Callable[[], str | None], state: StoreState) -> HiCacheStorage:
+    """`build()`, or a `ReconnectingStore` retrying it when the store cannot be reached,
+    counting in the server's `state`. `reachable()` is a quick probe: None when the store
+    answers, else why not. Runs in the scheduler while it starts: a build that no retry mends
+    stops the server with one line."""
     try:
         backend, why = _attempt(name, build, reachable)
     except StoreUnusable as error:
         raise startup.scheduler_error(str(error)) from None
-    return backend if backend is not None else ReconnectingStore(name, build, reachable, why)
+    return (backend if backend is not None
+            else ReconnectingStore(name, build, reachable, why, state))
 
 
 class ReconnectingStore(HiCacheStorage):
     """The backend SGLang talks to while the store is unreachable (see the module docstring)."""
 
     def __init__(self, name: str, build: Callable[[], HiCacheStorage],
-                 reachable: Callable[[], str | None], why: str) -> None:
+                 reachable: Callable[[], str | None], why: str, state: StoreState) -> None:
         self.name = name
+        self.state = state
+        """The server's store state: its faults and reconnect attempts are counted there."""
         self._build = build
         self._reachable = reachable
         self._interval = retry_seconds()
@@ -152,22 +155,22 @@ class ReconnectingStore(HiCacheStorage):
                                                  name=f"vericache-{self.name}-reconnect")
                 self._attempt.start()
         if backend is None:
-            STORE_STATS.record("unavailable", self.name, "the store cannot be reached")
+            self.state.stats.record("unavailable", self.name, "the store cannot be reached")
         return backend
 
     def _try_build(self) -> None:
         """One attempt, in its own thread: probe, build, hand over the host pools (counted in
-        `RECONNECTS`)."""
+        the state's `reconnects`)."""
         try:
             backend, why = _attempt(self.name, self._build_with_pools, self._reachable)
         except StoreUnusable as error:
-            RECONNECTS.record(failed=True)
+            self.state.reconnects.record(failed=True)
             self._unusable = True
             logger.error("VeriCache: %s; serving without it until the server restarts", error)
             return
         finally:
             self._last_try = time.monotonic()
-        RECONNECTS.record(failed=backend is None)
+        self.state.reconnects.record(failed=backend is None)
         if backend is None:
             logger.warning("VeriCache: the %s store is still unreachable (%s); next attempt in "
                            "%g s", self.name, why, self._interval)

@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Any
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
 
-from .pending import PENDING
-
 if TYPE_CHECKING:
     from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
@@ -46,7 +44,7 @@ host memory only stages pages) from the staged prefetch."""
 
 class ReloadedCodes:
     """Pool-level codes of pages read from the store, by storage key, until their KV is
-    loaded onto the device."""
+    loaded onto the device (one per server, in its `StoreState`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -94,6 +92,15 @@ class ReloadedCodes:
                            "pool's pages (%s); it is quantized from its KV (logged once, "
                            "counted in reloaded_pages.skipped_pages)", key[:16], why)
 
+    def decoded(self, key: str, tiers: list[QuantTier], pool_level: bool) -> None:
+        """A store decoded page `key`: offer its pool-level codes `tiers`. No codes from a
+        stream whose last lossy level is meant to be the pool's (`pool_level`) mean another
+        compressor wrote it (skipped, counted)."""
+        if tiers:
+            self.offer(key, tiers)
+        elif pool_level:  # `decode_page` kept none back
+            self.skip(key, "its stream's pool level is another compressor's")
+
     def take(self, key: str) -> list[QuantTier] | None:
         with self._lock:
             return self._codes.pop(key, None)
@@ -128,25 +135,26 @@ class ReloadedCodes:
                 self.skip(key, "codes of another geometry")
 
 
-RELOADED = ReloadedCodes()
-
-
 def install_reloaded_codes(load_back: Callable[..., bool], tree: Any, node_id: Any,
                            mem_quota: int | None = None, req: Any = None) -> bool:
     """Around `UnifiedRadixCache.load_back`: once SGLang loaded a request's host pages onto
     the device (they end the request's matched path, after `req.last_node`), install the
-    codes the store decoded for them."""
+    codes the store decoded for them, and note where pages waiting for their exact KV now
+    are (`pending.py`), in the server's store state."""
+    from .state import served_store_state  # state.py builds on this module
+
     last = getattr(req, "last_node", None)
     loaded = load_back(tree, node_id, mem_quota=mem_quota, req=req)
-    if not loaded or not (len(RELOADED) or PENDING.enabled) or last is None:
+    state = served_store_state()
+    if not loaded or not (len(state.reloaded) or state.pending.enabled) or last is None:
         return loaded
     slots = tree.tree_core.collect_full_device_indices(node_id, last)
     page_size = tree.page_size
     chain = tree.get_prefix_hash_values(node_id) + tree.tree_core.get_hash_values(node_id)
     pages = slots.numel() // page_size
     if pages and len(chain) >= pages:
-        RELOADED.install(chain[-pages:], slots.cpu(), page_size)
-        PENDING.loaded(chain[-pages:], slots.cpu(), page_size)
+        state.reloaded.install(chain[-pages:], slots.cpu(), page_size)
+        state.pending.loaded(chain[-pages:], slots.cpu(), page_size)
     return loaded
 
 
@@ -154,16 +162,19 @@ def install_staged_codes(result: tuple[Any, str], pipeline: Any, req: Any, stage
                          *args: Any, **kwargs: Any) -> None:
     """After `BufferModePipeline._allocate_and_queue_load_back`: the staged prefetch's pages
     (`staged.hash_values`, page by page with `staged.host_indices`) were queued into device
-    slots (the state's `device_indices`, for the host rows past the already-resident head):
-    install the codes the store decoded for them."""
-    state = result[0]
-    if state is None or not len(RELOADED):
+    slots (`device_indices` of the load SGLang returns, for the host rows past the
+    already-resident head): install the codes the store decoded for them."""
+    from .state import served_store_state  # state.py builds on this module
+
+    load = result[0]
+    reloaded = served_store_state().reloaded
+    if load is None or not len(reloaded):
         return None
-    slots = state.device_indices
+    slots = load.device_indices
     page_size = pipeline._cache.page_size
     head = (len(staged.host_indices) - slots.numel()) // page_size
     pages = slots.numel() // page_size
     keys = staged.hash_values[head:head + pages]
     if len(keys) == pages:
-        RELOADED.install(keys, slots.cpu(), page_size)
+        reloaded.install(keys, slots.cpu(), page_size)
     return None
