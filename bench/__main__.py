@@ -1,17 +1,20 @@
-"""Every benchmark suite that exists today, at one size, into one JSON file and PNG plots.
+"""Every benchmark, as a suite, at one size, into one JSON file and PNG plots.
 
     python -m bench --size smallest --out OUT_DIR     # minutes on a CPU; what the tests run
     python -m bench --size small --out docs/benchmarks
     python -m bench --size full --only serving full_tier --out OUT_DIR
 
-Suites (bench/suites.py): compressors (bench.compress_quality), drafting (E by draft length,
-bench.spec_offline), memory (bench.memory), codec (bench.codec), serving (throughput against
-plain SGLang by workload and batch, request types, the full tier's figures: bench.multilevel,
-bench.request_types), full_tier (bench.full_tier's device-budget comparison), perfmodel (the
-model's predicted GPU speed-up at this run's E and compression) and remote_prefix (run on its
-own, `python -m bench.remote_prefix`: recorded as skipped). OUT_DIR gets bench-<time>.json
+Suites (bench/suites.py), each calling its script's functions and getting its figures back as
+data: compressors (bench.compress_quality), drafting (E by draft length, bench.spec_offline),
+memory (bench.memory), codec (bench.codec), store (bench.store), cpu_gemm (bench.cpu_gemm),
+device_check (bench.device_check), perfmodel (the model's predicted GPU speed-up at this run's
+E and compression), serving (throughput against plain SGLang by workload and batch, request
+types, the full tier's figures: bench.multilevel, bench.request_types), spec_decode,
+logprob_drift, round_host_time, full_tier, window_cap, placement (each bench.<suite>) and
+remote_prefix (time to the n-th token over a shaped link, bench.remote_prefix). A size that
+does not run a suite, or a machine that cannot, records why. OUT_DIR gets bench-<time>.json
 (the machine, the git commit, the command, each suite's results or why it was skipped,
-whether its outputs equalled plain decoding's) and the plots. Exit status 1 if any compared
+whether its outputs equalled their reference's) and the plots. Exit status 1 if any compared
 output differed.
 """
 

@@ -5,9 +5,11 @@ parse, log and record the same way."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -39,3 +41,17 @@ def log(message: str) -> None:
 def invocation(module: str, argv: list[str] | None) -> str:
     """The command as run, for the docs next to the numbers it produced."""
     return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's CPU threads set to `count` inside, restored after: a measurement per core must
+    not change the threads of the suites `python -m bench` runs after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -14,15 +14,14 @@ per second on one core.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from bench import cli, tables
 from bench.docs_section import replace_section
 from vericache_sglang import models
 from vericache_sglang.codec import CodecSpec, decode_chunk, encode
@@ -37,10 +36,6 @@ from vericache_tools.prompts import file_ids
 
 SECTION = "codec"
 DEFAULT_FILES = ["argparse.py", "difflib.py", "/usr/share/common-licenses/GPL-3"]
-
-
-def log(message: str) -> None:
-    print(f"[bench.codec] {message}", file=sys.stderr, flush=True)
 
 
 def kv_of(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +65,90 @@ def baselines(keys: torch.Tensor, values: torch.Tensor, compressor) -> dict[str,
             / elements}
 
 
+def measure(model, tokenizer, files: list[str], tokens: int, chunk: int = 256,
+            compressor: str = "kivi:bits=4,group=32", coarse: tuple[int, int] = (4, 2),
+            groupings: tuple[str, ...] = ("channel", "kind")) -> dict:
+    """Each figure of the table (bytes per element, speeds, the time of a chunk against a
+    1 Gbit/s link's) per table grouping, the mean over `files`' prompts, by label; and how
+    many layers' exact parts were coded as residuals or as byte planes, per dtype. Runs on one
+    thread (speeds are per core)."""
+    pool = parse_compressor_spec(compressor)
+    layers = model.config.num_hidden_layers
+    sums: dict[str, list[float]] = defaultdict(list)
+    modes: dict[str, int] = defaultdict(int)
+    with cli.threads(1):
+        for name in files:
+            ids = file_ids(tokenizer, name, tokens)
+            cli.log(f"codec: {name}, {len(ids)} tokens, prefill")
+            keys, values = kv_of(model, ids)
+            elements = keys.numel() * 2
+            for label, value in baselines(keys, values, pool).items():
+                sums[label].append(value)
+            for dtype in (torch.bfloat16, torch.float32):
+                k, v = keys.to(dtype), values.to(dtype)
+                mb = k.numel() * 2 * k.element_size() / 1e6
+                for grouping in groupings:
+                    spec = CodecSpec.for_compressor(pool, layers, tables=grouping,
+                                                    chunk_tokens=chunk, coarse=coarse)
+                    began = time.perf_counter()
+                    streams = encode(k, v, spec, key=b"bench")
+                    encode_s = time.perf_counter() - began
+                    keys_of = [b"bench" + (i * chunk).to_bytes(8, "little")
+                               for i in range(len(streams))]
+                    began = time.perf_counter()
+                    for stream, key in zip(streams, keys_of, strict=True):
+                        decode_chunk(stream, key=key)
+                    decode_s = time.perf_counter() - began
+                    began = time.perf_counter()
+                    for stream, key in zip(streams, keys_of, strict=True):
+                        decode_chunk(stream, level=0, key=key)
+                    coarse_s = time.perf_counter() - began
+                    parts = defaultdict(int)
+                    for stream, key in zip(streams, keys_of, strict=True):
+                        header, chunk_parts = read_parts(stream, key=key)
+                        cumulative = len(stream) - sum(header.part_lengths)  # the overhead
+                        for p, length in enumerate(header.part_lengths):
+                            cumulative += length
+                            parts[p] += cumulative
+                        for section in unpack_sections(chunk_parts[-1], layers):
+                            kind = "planes" if section[0] == EXACT_PLANES else "residual"
+                            modes[f"{str(dtype).removeprefix('torch.')} {kind}"] += 1
+                    names = [f"level {i} ({'/'.join(map(str, sorted(set(lv))))} bits)"
+                             for i, lv in enumerate(spec.levels[:-1])]
+                    names += [f"pool level ({'/'.join(map(str, sorted(set(spec.levels[-1]))))} "
+                              "bits, = pool pages)", "exact (whole stream)"]
+                    tag = f"{str(dtype).removeprefix('torch.')}, tables per {grouping}"
+                    for p, label in enumerate(names):
+                        sums[f"{tag}: {label}"].append(parts[p] / elements)
+                    sums[f"{tag}: encode MB/s"].append(mb / encode_s)
+                    sums[f"{tag}: decode exact MB/s"].append(mb / decode_s)
+                    sums[f"{tag}: decode level 0 MB/s"].append(mb / coarse_s)
+                    # a chunk's decode time against a 1 Gbit/s link's time to deliver its bytes
+                    chunks = len(streams)
+                    sums[f"{tag}: decode exact ms per chunk"].append(decode_s / chunks * 1e3)
+                    sums[f"{tag}: 1 Gbit/s delivery of the whole stream, ms per chunk"].append(
+                        parts[len(names) - 1] * 8 / 1e9 / chunks * 1e3)
+                    sums[f"{tag}: decode level 0 ms per chunk"].append(coarse_s / chunks * 1e3)
+                    sums[f"{tag}: 1 Gbit/s delivery of level 0, ms per chunk"].append(
+                        parts[0] * 8 / 1e9 / chunks * 1e3)
+                    cli.log(f"  {tag}: exact {parts[len(names) - 1] / elements:.3f} B/elem, "
+                            f"encode {mb / encode_s:.1f} MB/s, decode {mb / decode_s:.1f} MB/s")
+    return {"files": list(files), "tokens": tokens, "chunk": chunk,
+            "means": {label: statistics.mean(values) for label, values in sums.items()},
+            "exact_modes": dict(sorted(modes.items()))}
+
+
+def markdown(result: dict) -> str:
+    """The table, and how the exact parts were coded."""
+    rows = [[label, f"{value:.3f}" + ("" if "MB/s" in label or " ms " in label else " B")]
+            for label, value in result["means"].items()]
+    return (tables.table(["what", "per element (bytes) or speed, mean of prompts"], rows)
+            + "\n\nExact part, layers coded as residual vs byte planes: "
+            + ", ".join(f"{mode} {count}" for mode, count in result["exact_modes"].items()))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.codec", description=__doc__.split(
-        "\n")[0])
+    parser = cli.parser("bench.codec", __doc__)
     parser.add_argument("--files", nargs="+", default=DEFAULT_FILES,
                         help="prompt files (stdlib module file names or paths)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per prompt")
@@ -88,81 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="markdown file whose codec section gets the table")
     args = parser.parse_args(argv)
     coarse = tuple(int(b) for b in args.coarse.split(","))
-    torch.set_num_threads(1)
-    compressor = parse_compressor_spec(args.compressor)
     model, tokenizer = load_model(models.prepare().target)
-    layers = model.config.num_hidden_layers
-    sums: dict[str, list[float]] = defaultdict(list)
-    modes = defaultdict(int)
-    for name in args.files:
-        ids = file_ids(tokenizer, name, args.tokens)
-        log(f"{name}: {len(ids)} tokens, prefill")
-        keys, values = kv_of(model, ids)
-        elements = keys.numel() * 2
-        for label, value in baselines(keys, values, compressor).items():
-            sums[label].append(value)
-        for dtype in (torch.bfloat16, torch.float32):
-            k, v = keys.to(dtype), values.to(dtype)
-            mb = k.numel() * 2 * k.element_size() / 1e6
-            for tables in args.tables:
-                spec = CodecSpec.for_compressor(compressor, layers, tables=tables,
-                                                chunk_tokens=args.chunk, coarse=coarse)
-                began = time.perf_counter()
-                streams = encode(k, v, spec, key=b"bench")
-                encode_s = time.perf_counter() - began
-                began = time.perf_counter()
-                for i, stream in enumerate(streams):
-                    decode_chunk(stream, key=b"bench" + (i * args.chunk).to_bytes(8, "little"))
-                decode_s = time.perf_counter() - began
-                began = time.perf_counter()
-                for i, stream in enumerate(streams):
-                    decode_chunk(stream, level=0,
-                                 key=b"bench" + (i * args.chunk).to_bytes(8, "little"))
-                coarse_s = time.perf_counter() - began
-                parts = defaultdict(int)
-                for i, stream in enumerate(streams):
-                    header, chunk_parts = read_parts(
-                        stream, key=b"bench" + (i * args.chunk).to_bytes(8, "little"))
-                    overhead = len(stream) - sum(header.part_lengths)
-                    cumulative = overhead
-                    for p, length in enumerate(header.part_lengths):
-                        cumulative += length
-                        parts[p] += cumulative
-                    for section in unpack_sections(chunk_parts[-1], layers):
-                        modes[(str(dtype), "planes" if section[0] == EXACT_PLANES
-                               else "residual")] += 1
-                names = [f"level {i} ({'/'.join(map(str, sorted(set(lv))))} bits)"
-                         for i, lv in enumerate(spec.levels[:-1])]
-                names += [f"pool level ({'/'.join(map(str, sorted(set(spec.levels[-1]))))} "
-                          "bits, = pool pages)", "exact (whole stream)"]
-                tag = f"{str(dtype).removeprefix('torch.')}, tables per {tables}"
-                for p, label in enumerate(names):
-                    sums[f"{tag}: {label}"].append(parts[p] / elements)
-                sums[f"{tag}: encode MB/s"].append(mb / encode_s)
-                sums[f"{tag}: decode exact MB/s"].append(mb / decode_s)
-                sums[f"{tag}: decode level 0 MB/s"].append(mb / coarse_s)
-                # a chunk's decode time against a 1 Gbit/s link's time to deliver its bytes
-                chunks = len(streams)
-                sums[f"{tag}: decode exact ms per chunk"].append(decode_s / chunks * 1e3)
-                sums[f"{tag}: 1 Gbit/s delivery of the whole stream, ms per chunk"].append(
-                    parts[len(names) - 1] * 8 / 1e9 / chunks * 1e3)
-                sums[f"{tag}: decode level 0 ms per chunk"].append(coarse_s / chunks * 1e3)
-                sums[f"{tag}: 1 Gbit/s delivery of level 0, ms per chunk"].append(
-                    parts[0] * 8 / 1e9 / chunks * 1e3)
-                log(f"  {tag}: exact {parts[len(names) - 1] / elements:.3f} B/elem, encode "
-                    f"{mb / encode_s:.1f} MB/s, decode {mb / decode_s:.1f} MB/s")
-    lines = ["| what | per element (bytes) or speed, mean of prompts |", "| --- | --- |"]
-    for label, values in sums.items():
-        unit = "" if "MB/s" in label or " ms " in label else " B"
-        lines.append(f"| {label} | {statistics.mean(values):.3f}{unit} |")
-    lines.append("")
-    lines.append("Exact part, layers coded as residual vs byte planes: " + ", ".join(
-        f"{dtype.removeprefix('torch.')} {mode} {count}" for (dtype, mode), count in
-        sorted(modes.items())))
-    table = "\n".join(lines)
+    table = markdown(measure(model, tokenizer, args.files, args.tokens, args.chunk,
+                             args.compressor, coarse, tuple(args.tables)))
     print(table)
     if args.write_docs:
-        command = "python -m bench.codec " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = cli.invocation("bench.codec", argv)
         replace_section(args.write_docs, SECTION, f"\n```\n{command}\n```\n\n{table}\n")
     return 0
 

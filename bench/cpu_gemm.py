@@ -22,20 +22,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench import cli
+from bench import cli, tables
 from bench.docs_section import replace_section
 from vericache_sglang import models
 from vericache_sglang.cpu.few_rows import ALL_ROWS, faster_row_counts, few_row_linear
+from vericache_tools.hf_eval import load_model
 
 SECTION = "cpu-gemm"
 
 
-def forward_weights() -> list[torch.Tensor]:
-    """The weight matrices of one forward, fused as SGLang fuses them, in float32."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(models.prepare().target),
-                                                 dtype=torch.float32)
+def forward_weights(model) -> list[torch.Tensor]:
+    """The weight matrices of one forward of the HF `model`, fused as SGLang fuses them."""
     weights = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -60,37 +57,53 @@ def time_forward(weights: list[torch.Tensor], rows: int, scope: Callable, repeat
     return best
 
 
-def main() -> None:
+@torch.no_grad()
+def measure(weights: list[torch.Tensor], rows: tuple[int, ...], repeats: int) -> dict:
+    """Both forms' best milliseconds per row count with torch's current threads, and the row
+    counts the worker's own timing routes through the few-row form."""
+    timed = []
+    for count in rows:
+        plain = time_forward(weights, count, contextlib.nullcontext, repeats)
+        few = time_forward(weights, count, lambda: few_row_linear("cpu", ALL_ROWS), repeats)
+        timed.append({"rows": count, "plain_ms": plain * 1e3, "few_row_ms": few * 1e3})
+        cli.log(f"cpu_gemm: {count} rows: {plain * 1e3:.1f} ms plain, {few * 1e3:.1f} ms few-row")
+    return {"matrices": len(weights),
+            "mib": sum(w.numel() * w.element_size() for w in weights) / 2**20,
+            "threads": torch.get_num_threads(), "repeats": repeats, "rows": timed,
+            "routed": sorted(faster_row_counts())}
+
+
+def markdown(result: dict) -> str:
+    """The table, with what it measured and what the worker routes."""
+    routed = ", ".join(map(str, result["routed"]))
+    return (f"Measured by `python -m bench.cpu_gemm` (the demo model's {result['matrices']} "
+            f"weight matrices of one forward, {result['mib']:.0f} MiB float32, "
+            f"{result['threads']} threads, best of {result['repeats']}, one run on this CPU; "
+            "rows above the few-row form's limit run as X @ W^T in both columns):\n\n"
+            + tables.table(["rows", "X @ W^T (ms)", "W @ X^T, few-row form (ms)",
+                            "few-row / X @ W^T"],
+                           [[r["rows"], f"{r['plain_ms']:.1f}", f"{r['few_row_ms']:.1f}",
+                             f"{r['few_row_ms'] / r['plain_ms']:.2f}"] for r in result["rows"]])
+            + "\n\nThe worker's own timing on this CPU (`faster_row_counts`) routes "
+            + (f"{routed} rows" if routed else "no row count") + " through the few-row form.")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("bench.cpu_gemm", __doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 9])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--write-docs", type=Path, help=f"docs page with a {SECTION} section")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-    weights = forward_weights()
-    with torch.no_grad():
-        lines = ["| rows | X @ W^T (ms) | W @ X^T, few-row form (ms) | few-row / X @ W^T |",
-                 "|---|---|---|---|"]
-        for rows in args.rows:
-            plain = time_forward(weights, rows, contextlib.nullcontext, args.repeats)
-            few = time_forward(weights, rows, lambda: few_row_linear("cpu", ALL_ROWS),
-                               args.repeats)
-            lines.append(f"| {rows} | {plain * 1e3:.1f} | {few * 1e3:.1f} | {few / plain:.2f} |")
-            print(lines[-1], flush=True)
-    mb = sum(w.numel() * w.element_size() for w in weights) / 2**20
-    routed = ", ".join(map(str, sorted(faster_row_counts())))
-    body = (f"Measured by `python -m bench.cpu_gemm` (the demo model's {len(weights)} weight "
-            f"matrices of one forward, {mb:.0f} MiB float32, {args.threads} threads, best of "
-            f"{args.repeats}, one run on this CPU; rows above the few-row form's limit run as "
-            "X @ W^T in both columns):\n\n" + "\n".join(lines)
-            + "\n\nThe worker's own timing on this CPU (`faster_row_counts`) routes "
-            + (f"{routed} rows" if routed else "no row count") + " through the few-row form.")
+    model, _ = load_model(models.prepare().target)
+    with cli.threads(args.threads):
+        body = markdown(measure(forward_weights(model), tuple(args.rows), args.repeats))
     print(body)
     if args.write_docs:
         replace_section(args.write_docs, SECTION, f"\n{body}\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

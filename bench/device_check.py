@@ -484,17 +484,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=300,
                         help="seconds the attention timings may take before sizes are skipped")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    sizes = SMALL if args.small else FULL
-    report = Report(args.out, device)
+    data = run(args.out, torch.device(args.device), args.small, args.budget_s)
+    return 0 if passed(data) else 1
+
+
+def run(out: Path, device: torch.device, small: bool, budget_s: float = 300) -> dict:
+    """Every section on `device` (toy sizes if `small`), written to `out` as it goes; the
+    report's data (the machine and each section's results) for callers such as
+    `python -m bench`."""
+    sizes = SMALL if small else FULL
+    report = Report(out, device)
     report.section("kernels", lambda: check_kernels(device))
-    report.section("attention", lambda: time_attention(device, sizes, args.budget_s))
+    report.section("attention", lambda: time_attention(device, sizes, budget_s))
     report.section("copy", lambda: time_copy(device, sizes))
-    report.section("model", lambda: compare_model(device, args.small, report.data["sections"]))
+    report.section("model", lambda: compare_model(device, small, report.data["sections"]))
     summary(report)
-    sections = report.data["sections"]
-    return 0 if all(s["ok"] for s in sections.values()) and \
-        sections["kernels"].get("failed") == 0 else 1
+    return report.data
+
+
+def passed(data: dict) -> bool:
+    """Every section ran and every kernel case equalled the torch reference."""
+    sections = data["sections"]
+    return all(s["ok"] for s in sections.values()) and sections["kernels"].get("failed") == 0
 
 
 if __name__ == "__main__":

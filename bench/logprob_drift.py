@@ -8,18 +8,21 @@ requests) twice to plain SGLang (`--disable-overlap-schedule`, which VeriCache i
 twice to VeriCache (4-bit KIVI, draft length from 16), and prints the largest absolute
 difference of the token, top and token-id logprobs per request: plain against itself (the
 second send finds its prefix cached) and VeriCache against plain. The identity tests'
-tolerance (`tests/support/identity.py`, LOGPROB_TOLERANCE) comes from this.
+tolerance (`tests/support/identity.py`, LOGPROB_TOLERANCE) comes from this. `python -m bench`
+runs it as its logprob_drift suite (`measure` gives the rows).
 
     .venv/bin/python -m bench.logprob_drift
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 from transformers import AutoTokenizer
 
+from bench import cli, tables
 from bench.serving import request, send_together
-from vericache_sglang import models
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_args import VERICACHE, server_args
 from vericache_tools.server_process import ServerProcess
@@ -76,21 +79,37 @@ def _drift(a: dict[str, dict], b: dict[str, dict]) -> dict[str, tuple]:
     return rows
 
 
-def main() -> None:
-    model = models.prepare().target
+def measure(model: Path) -> list[dict]:
+    """The batch sent twice to plain SGLang and twice to VeriCache: per comparison and logprob
+    request, whether the tokens are the same and the largest |difference| of the token, top
+    and token-id logprobs."""
     batch = _batch(AutoTokenizer.from_pretrained(model))
     with ServerProcess(model, SERVER) as server:
         plain = _twice(server, batch)
     with ServerProcess(model, [*SERVER, *VERICACHE, *DRAFT]) as server:
         ours = _twice(server, batch)
-    print("| comparison | request | same tokens | token | top | token ids |")
-    print("|---|---|---|---|---|---|")
-    for label, a, b in [("plain, second send vs first", plain[1], plain[0]),
-                        ("VeriCache vs plain, first send", ours[0], plain[0]),
-                        ("VeriCache vs plain, second send", ours[1], plain[1])]:
-        for name, (same, token, top, ids) in _drift(a, b).items():
-            print(f"| {label} | {name} | {same} | {token:.2e} | {top:.2e} | {ids:.2e} |")
+    return [{"comparison": label, "request": name, "same_tokens": same, "token": token,
+             "top": top, "token_ids": ids}
+            for label, a, b in [("plain, second send vs first", plain[1], plain[0]),
+                                ("VeriCache vs plain, first send", ours[0], plain[0]),
+                                ("VeriCache vs plain, second send", ours[1], plain[1])]
+            for name, (same, token, top, ids) in _drift(a, b).items()]
+
+
+def markdown(rows: list[dict]) -> str:
+    return tables.table(
+        ["comparison", "request", "same tokens", "token", "top", "token ids"],
+        [[r["comparison"], r["request"], r["same_tokens"], f"{r['token']:.2e}",
+          f"{r['top']:.2e}", f"{r['token_ids']:.2e}"] for r in rows], "lllrrr")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("bench.logprob_drift", __doc__)
+    cli.add_model(parser)
+    rows = measure(cli.model_dir(parser.parse_args(argv).model))
+    print(markdown(rows))
+    return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -8,6 +8,8 @@ definition, 128 greedy tokens, the first-token time subtracted as bench/multilev
 batch 1 and batch 4, one level and with the n-gram drafter, as ratios to plain SGLang measured
 in the same run. Every output is compared with plain SGLang's.
 
+`python -m bench` runs it as its placement suite at its full size (`measure` gives the rows).
+
     .venv/bin/python -m bench.placement [--write-docs docs/memory.md]
 """
 
@@ -21,11 +23,12 @@ from bench import cli, tables
 from bench.docs_section import replace_section
 from bench.multilevel import MODULES, before_last_definition, measure_decode
 from bench.serving import COMMON, request
-from vericache_sglang import models
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_args import VERICACHE
 from vericache_tools.server_process import ServerProcess
 
+PROMPT_TOKENS = 3000
+"""The held-out code context (its default; `python -m bench` runs it at this length)."""
 SERVERS = {
     "plain SGLang": [],
     **{f"VeriCache {tier}, {level}": [*VERICACHE, "--vericache-full-tier", tier, *drafter]
@@ -43,43 +46,56 @@ def _payloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[
     return {"batch 1": [code(MODULES[0])], "batch 4": [code(m) for m in MODULES]}
 
 
-def main() -> None:
-    parser = cli.parser("bench.placement", __doc__)
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--write-docs", type=Path, help="docs page with a placement section")
-    args = parser.parse_args()
-    target = models.prepare().target
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    workloads = _payloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+def measure(model: Path, prompt_tokens: int, new_tokens: int) -> list[dict]:
+    """One row per server: resident memory idle and after the requests, decode speed per
+    workload as a ratio to plain SGLang's, and whether its outputs equalled plain SGLang's."""
+    workloads = _payloads(AutoTokenizer.from_pretrained(model), prompt_tokens, new_tokens)
     rows, plain = [], {}
     for name, extra in SERVERS.items():
-        print(f"[{name}] starting", flush=True)
-        with ServerProcess(target, [*COMMON, *extra]) as server:
-            idle = server.rss_bytes()
-            row = {"server": name, "idle_gb": idle / 2**30}
+        cli.log(f"[{name}] starting")
+        with ServerProcess(model, [*COMMON, *extra]) as server:
+            row = {"server": name, "idle_gb": server.rss_bytes() / 2**30}
             for workload, payloads in workloads.items():
                 measured = measure_decode(server, payloads)
-                outputs = measured["outputs"]
                 if name == "plain SGLang":
-                    plain[workload] = (measured["tok_s"], outputs)
+                    plain[workload] = (measured["tok_s"], measured["outputs"])
                 row[workload] = measured["tok_s"] / plain[workload][0]
-                row[f"{workload} identical"] = outputs == plain[workload][1]
+                row[f"{workload} identical"] = measured["outputs"] == plain[workload][1]
             row["after_gb"] = server.rss_bytes() / 2**30
-        print(f"[{name}] {row}", flush=True)
+        cli.log(f"[{name}] {row}")
         rows.append(row)
-    text = tables.table(
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    return tables.table(
         ["server", "idle RSS (GB)", "RSS after (GB)", "decode, batch 1", "decode, batch 4",
          "identical"],
         [[r["server"], f"{r['idle_gb']:.1f}", f"{r['after_gb']:.1f}", f"{r['batch 1']:.2f}x",
-          f"{r['batch 4']:.2f}x", "yes" if all(r[f"{w} identical"] for w in workloads) else "NO"]
-         for r in rows]) + (
+          f"{r['batch 4']:.2f}x", "yes" if identical(r) else "NO"] for r in rows]) + (
         "\n\nDecode speed as a ratio to plain SGLang in the same run; measured by "
         "`python -m bench.placement`, every memory setting at its default.")
+
+
+def identical(row: dict) -> bool:
+    """Whether every workload's outputs equalled plain SGLang's."""
+    return all(value for key, value in row.items() if key.endswith(" identical"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("bench.placement", __doc__)
+    cli.add_model(parser)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--write-docs", type=Path, help="docs page with a placement section")
+    args = parser.parse_args(argv)
+    rows = measure(cli.model_dir(args.model), args.prompt_tokens, args.max_new_tokens)
+    text = markdown(rows)
     print(text)
     if args.write_docs:
         replace_section(args.write_docs, "placement", text)
+    return 0 if all(map(identical, rows)) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -101,10 +101,39 @@ def predicted_speedup(perfmodel: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+def time_to_token(remote_prefix: dict, path: Path) -> Path:
+    """Seconds to the n-th token of a request over a stored prefix against the emulated link's
+    rate, one line per configuration (one panel per batch size): where reading the prefix beats
+    recomputing it, and what VeriCache's coded pages gain over HiCache's full KV."""
+    args, rows = remote_prefix["result"]["args"], remote_prefix["result"]["results"]["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    rates = sorted({r["rate_mbit"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for config in dict.fromkeys(r["config"] for r in rows):
+            points = sorted((r["rate_mbit"], r["mark_s"]) for r in rows
+                            if r["config"] == config and r["batch"] == batch
+                            and r["mark_s"] is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), "o-", label=config)
+        ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{rate:g}" for rate in rates])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set(xlabel="link Mbit/s (emulated)",
+               ylabel=f"seconds until {args['mark_token']} tokens", title=f"batch {batch}")
+        ax.legend()
+    fig.suptitle(f"Time until {args['mark_token']} output tokens over a stored "
+                 f"{args['prefix_tokens']}-token prefix: recomputed, or read through a shaped "
+                 f"link ({args['dtype']}, one run)", fontsize=10)
+    return _save(fig, path)
+
+
 PLOTS = {"drafting": ("e_by_draft_length.png", e_by_draft_length),
          "memory": ("device_bytes.png", device_bytes),
          "serving": ("throughput.png", throughput),
-         "perfmodel": ("predicted_speedup.png", predicted_speedup)}
+         "perfmodel": ("predicted_speedup.png", predicted_speedup),
+         "remote_prefix": ("time_to_token.png", time_to_token)}
 """Suite -> (file name, drawing); a suite that was skipped draws nothing."""
 
 

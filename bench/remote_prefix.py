@@ -2,10 +2,11 @@
 bytes over the link per request, for plain SGLang recomputing, plain SGLang's HiCache fetching
 the full KV, and VeriCache fetching its coded pages (not a test).
 
-The link is emulation (`stores/shaped_link.py`): a network namespace whose loopback caps the
-Mooncake store's data ports at a set rate; the store, the servers and this script's client all
-run inside it. One server runs at a time (each is ~5 GB on CPU). For each configuration that
-reads the store, server A answers every prefix the timed requests will use with one token and
+The link is emulation (`vericache_tools.shaped_link`): a network namespace whose loopback caps
+the Mooncake store's data ports at a set rate; the store, the servers and this script's client
+all run inside it (a child process, `--inside`, that hands its results back as a JSON file).
+One server runs at a time (each is ~5 GB on CPU). For each configuration that reads the store,
+server A answers every prefix the timed requests will use with one token and
 stops once their pages are stored; server B, started afterwards on the same store, answers the
 timed requests, streamed, at each rate of `--rates-mbit` in turn (the shaped class's rate is
 changed in place, `tc class change`) and each batch size of `--batch`: batch n sends n requests
@@ -32,6 +33,10 @@ With `--bystander` another request is already decoding on server B (streamed) wh
 batch is sent: its largest gap between tokens while the batch's prefixes load (until every
 request of the batch has its first token) and until the batch is done.
 
+`python -m bench` runs it as its remote_prefix suite (at each size's prefix, rates and batches;
+`measure` gives the record `--json` writes: the settings as `args`, the measurement as
+`results`), and plots the time to the n-th token against the link's rate.
+
     python -m bench.remote_prefix --prefix-tokens 3200 --rates-mbit 200 --new-tokens 64
 
 Issue 27's matrix (6,000-token prefix, 1 Gbit/s and 200 Mbit/s, 128 and 256 tokens from the
@@ -52,23 +57,24 @@ import math
 import re
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import psutil
-import requests
 from transformers import AutoTokenizer
 
-from bench import cli, serving
+from bench import cli, serving, tables
 from vericache_tools.mooncake_service import MooncakeService, mooncake_unavailable_reason
 from vericache_tools.prompts import PromptTooShortError, stdlib_ids
 from vericache_tools.server_args import HICACHE_STORE_ARGS, server_args
 from vericache_tools.server_args import VERICACHE as KIVI4
 from vericache_tools.server_process import ServerProcess
 from vericache_tools.shaped_link import ShapedLink, set_rate, shaping_unavailable_reason
+from vericache_tools.streaming import StreamingRequest, stream
 
 PAGE_SIZE = 64
 DEVICE_TOKENS = 8192
@@ -113,12 +119,41 @@ PREFIX_MODULES = ("inspect", "typing", "_pydecimal", "tkinter", "turtle", "pydoc
 """Where the stored prefixes come from: large stdlib modules, cut into windows of the prefix's
 length from token 100 on (difflib, heapq and bisect give the warm-ups and the question)."""
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPES = ("float32", "bfloat16")
 SERVER_BYTES = 8 << 30
 """About what one CPU server takes at the issue's sizes (~5 GB, plus its device and host KV
 pools of `pool_tokens`)."""
+SETTINGS_FILE, RESULTS_FILE = "settings.json", "results.json"
+"""What the parent hands the child inside the link (`--inside FOLDER`), and what it hands back."""
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root, where the child runs `python -m bench.remote_prefix`."""
 SEGMENT_FILL = 0.8
 """The share of the store's segment the estimate may fill: past 90% Mooncake evicts."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures: the command line's flags, or a size of `python -m bench`; saved
+    beside the results (`args` in the record) and handed to the child inside the link."""
+
+    model: str
+    prefix_tokens: int = 3200
+    new_tokens: int = 64
+    mark_token: int = 64
+    """Also time the output reaching this many tokens (at most `new_tokens`)."""
+    rates_mbit: tuple[float, ...] = (200.0,)
+    batch: tuple[int, ...] = (1,)
+    dtype: str = "float32"
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    segment_mib: int | None = None
+    """The store's memory; None: the estimate of what the run's pages need."""
+    bystander: bool = False
+
+    @classmethod
+    def from_json(cls, data: dict) -> Settings:
+        """Settings saved as JSON (lists back to tuples)."""
+        return cls(**{f.name: tuple(data[f.name]) if isinstance(data[f.name], list)
+                      else data[f.name] for f in fields(cls)})
 
 
 def base_args(dtype: str) -> list[str]:
@@ -126,30 +161,28 @@ def base_args(dtype: str) -> list[str]:
     return server_args(dtype, page_size=PAGE_SIZE)
 
 
-def kv_bytes_per_token(model: Path, dtype: str) -> int:
-    """The model's full KV per token (all layers, K and V) at `dtype`, from its config.json."""
-    config = json.loads((model / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return (config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
-            * DTYPE_BYTES[dtype])
-
-
-def prefixes_needed(args: argparse.Namespace) -> int:
+def prefixes_needed(settings: Settings) -> int:
     """Stored prefixes the timed requests use: a fresh set per (rate, batch) cell."""
-    return len(args.rates_mbit) * sum(args.batch)
+    return len(settings.rates_mbit) * sum(settings.batch)
 
 
-def store_bytes_needed(args: argparse.Namespace, kv_bytes: int) -> int:
+def store_bytes_needed(settings: Settings, kv_bytes: int) -> int:
     """What the store ends up holding: every configuration's pages of every prompt it sees
     (A's prefixes and warm-ups, B's long warm-up, the timed requests' questions and answers),
     at the full KV's size (VeriCache's coded pages are smaller; this is an upper bound)."""
-    tokens = (prefixes_needed(args) * (args.prefix_tokens + QUESTION_TOKENS + args.new_tokens)
-              + UNSTORED_TOKENS + len(args.rates_mbit) * STORED_TOKENS)
-    stores = len({WRITER[name] for name in args.configs if CONFIGS[name] is not None})
-    return stores * (tokens + PAGE_SIZE * prefixes_needed(args)) * kv_bytes
+    tokens = (prefixes_needed(settings)
+              * (settings.prefix_tokens + QUESTION_TOKENS + settings.new_tokens)
+              + UNSTORED_TOKENS + len(settings.rates_mbit) * STORED_TOKENS)
+    stores = len({WRITER[name] for name in settings.configs if CONFIGS[name] is not None})
+    return stores * (tokens + PAGE_SIZE * prefixes_needed(settings)) * kv_bytes
 
 
-def lease_ttl_ms(args: argparse.Namespace, kv_bytes: int) -> int:
+def segment_mib_needed(settings: Settings, kv_bytes: int) -> int:
+    """The least store segment, in MiB, whose estimate stays under SEGMENT_FILL."""
+    return math.ceil(store_bytes_needed(settings, kv_bytes) / SEGMENT_FILL / (1 << 20))
+
+
+def lease_ttl_ms(settings: Settings, kv_bytes: int) -> int:
     """A read lease that outlasts plain SGLang's slowest read: Mooncake leases the objects of a
     batched get when it looks them up and fails the whole get, every page of it, once the lease
     has run out before the data crossed (`LEASE_EXPIRED`; SGLang then keeps none of the pages
@@ -157,21 +190,22 @@ def lease_ttl_ms(args: argparse.Namespace, kv_bytes: int) -> int:
     float32 prefix (93 pages, 274 MB in one get) behind 200 Mbit/s always failed. Here: the
     largest get at the slowest rate, with the batch's requests sharing the link and the
     writes beside them, twice over."""
-    pages = min(SGLANG_STORAGE_BATCH_PAGES, math.ceil(args.prefix_tokens / PAGE_SIZE))
-    seconds = pages * PAGE_SIZE * kv_bytes * 8 / (min(args.rates_mbit) * 1e6)
-    return max(LEASE_FLOOR_MS, math.ceil(2 * 2 * max(args.batch) * seconds * 1000))
+    pages = min(SGLANG_STORAGE_BATCH_PAGES, math.ceil(settings.prefix_tokens / PAGE_SIZE))
+    seconds = pages * PAGE_SIZE * kv_bytes * 8 / (min(settings.rates_mbit) * 1e6)
+    return max(LEASE_FLOOR_MS, math.ceil(2 * 2 * max(settings.batch) * seconds * 1000))
 
 
-def pool_tokens(args: argparse.Namespace) -> int:
+def pool_tokens(settings: Settings) -> int:
     """Each server's device KV budget in tokens (`--max-total-tokens`; the host pool is twice
     it): the largest batch at once, so no request waits for another's pages to leave, with
     half as much again beside it. Every server gets the same bytes; VeriCache spends part of
     them on its compressed pool (0.31 of a bf16 token's KV, 0.15 of a float32 one), so its
     full KV holds fewer tokens, and a batch that fills the budget exactly would be cut short
     (SGLang aborts a request that runs out of KV)."""
-    pages = math.ceil((args.prefix_tokens + QUESTION_TOKENS + args.new_tokens) / PAGE_SIZE) + 1
-    need = max(args.batch) * pages * PAGE_SIZE
-    if args.bystander:
+    prompt = settings.prefix_tokens + QUESTION_TOKENS + settings.new_tokens
+    pages = math.ceil(prompt / PAGE_SIZE) + 1
+    need = max(settings.batch) * pages * PAGE_SIZE
+    if settings.bystander:
         need += BYSTANDER_PROMPT_TOKENS + BYSTANDER_TOKENS
     return max(DEVICE_TOKENS, need + need // 2)
 
@@ -198,16 +232,11 @@ def link_bytes() -> int:
 def timed_stream(server: ServerProcess, ids: list[int], new_tokens: int, mark: int) -> dict:
     """Stream one greedy request: seconds to the first emitted token, to the `mark`-th (None
     if fewer came) and to the last, and the output."""
-    request = {**serving.request(ids, new_tokens), "stream": True}
     began = time.monotonic()
-    response = requests.post(f"{server.url}/generate", json=request, stream=True, timeout=1800)
-    response.raise_for_status()
     at: dict[int, float] = {}
     last: dict = {}
-    for line in response.iter_lines():
-        if line.startswith(b"data: {"):
-            last = json.loads(line[len(b"data: "):])
-            at.setdefault(len(last["output_ids"]), time.monotonic() - began)
+    for last in stream(server.url, serving.request(ids, new_tokens)):
+        at.setdefault(len(last["output_ids"]), time.monotonic() - began)
     reached = [seconds for count, seconds in at.items() if count >= mark]
     return {"output_ids": last["output_ids"], "first_s": min(at.values()),
             "mark_s": min(reached) if reached else None, "last_s": max(at.values()),
@@ -239,37 +268,6 @@ def _mean(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(values) / len(values)
 
 
-class Bystander:
-    """A request already decoding (streamed) when the timed batch arrives: started, and once
-    its first token came, returned; `stop()` drops its connection (SGLang aborts it) and gives
-    the times its tokens came."""
-
-    def __init__(self, server: ServerProcess, ids: list[int]) -> None:
-        self.times: list[float] = []
-        self._first, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._stream, args=(server, ids), daemon=True)
-        self._thread.start()
-        if not self._first.wait(600):
-            raise RuntimeError("the bystander request never streamed a token")
-
-    def _stream(self, server: ServerProcess, ids: list[int]) -> None:
-        request = {**serving.request(ids, BYSTANDER_TOKENS), "stream": True}
-        with requests.post(f"{server.url}/generate", json=request, stream=True,
-                           timeout=1800) as response:
-            for line in response.iter_lines():
-                if line.startswith(b"data: {"):
-                    self.times.append(time.monotonic())
-                    self._first.set()
-                if self._stop.is_set():
-                    break
-        self._first.set()
-
-    def stop(self) -> list[float]:
-        self._stop.set()
-        self._thread.join(timeout=600)
-        return self.times
-
-
 def largest_gap(times: list[float], start: float, end: float) -> float:
     """The longest time without a token in [start, end], its ends counted as tokens."""
     inside = [start, *(t for t in times if start < t < end), end]
@@ -277,19 +275,20 @@ def largest_gap(times: list[float], start: float, end: float) -> float:
 
 
 def timed_batch(server: ServerProcess, prompts: list[list[int]],
-                args: argparse.Namespace, bystander: list[int] | None = None
+                settings: Settings, bystander: list[int] | None = None
                 ) -> tuple[dict, list[list[int]]]:
     """The prompts sent at once: each request's times, their means, the link bytes per request
     (the batch's, divided by its size) and VeriCache's store reads; and the outputs. With
     `bystander`, a request decoding that prompt is running when the batch is sent: its largest
     gap between streamed tokens until every request of the batch has its first token (while
     their prefixes load), and until the batch is done."""
-    running = None if bystander is None else Bystander(server, bystander)
+    running = None if bystander is None else StreamingRequest(
+        server.url, serving.request(bystander, BYSTANDER_TOKENS))
     sent, io = link_bytes(), store_io(server)
     began = time.monotonic()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda ids: timed_stream(server, ids, args.new_tokens,
-                                                         args.mark_token), prompts))
+        answers = list(pool.map(lambda ids: timed_stream(server, ids, settings.new_tokens,
+                                                         settings.mark_token), prompts))
     done = time.monotonic()
     moved = link_bytes() - sent
     after = store_io(server)
@@ -297,7 +296,8 @@ def timed_batch(server: ServerProcess, prompts: list[list[int]],
     row = {key: _mean([a[key] for a in answers]) for key in ("first_s", "mark_s", "last_s",
                                                               "storage_hit")}
     if running is not None:
-        times = running.stop()
+        running.stop()
+        times = running.times
         loaded = began + max(a["first_s"] for a in answers)
         row |= {"bystander_gap_loading_s": largest_gap(times, began, loaded),
                 "bystander_gap_s": largest_gap(times, began, done)}
@@ -308,44 +308,36 @@ def timed_batch(server: ServerProcess, prompts: list[list[int]],
     return row, outputs
 
 
-def first_difference(mine: list[int], theirs: list[int]) -> int:
-    """The index of the first output token where two outputs differ (a length where one is
-    the other's prefix)."""
-    return next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
-                 if a != b),
-                min(len(mine), len(theirs)))
-
-
-def run_inside(args: argparse.Namespace) -> dict:
+def run_inside(settings: Settings) -> dict:
     """The measurement, in the link's namespace."""
-    target = cli.model_dir(args.model)
+    target = Path(settings.model)
     tokenizer = AutoTokenizer.from_pretrained(target)
     question = stdlib_ids(tokenizer, "bisect", QUESTION_TOKENS, start=300)
-    windows = prefix_windows(tokenizer, args.prefix_tokens)
-    cells = [(rate, batch) for rate in args.rates_mbit for batch in args.batch]
+    windows = prefix_windows(tokenizer, settings.prefix_tokens)
+    cells = [(rate, batch) for rate in settings.rates_mbit for batch in settings.batch]
     prefixes: dict[tuple[float, int], list[list[int]]] = {}
     for cell in cells:
         try:
             prefixes[cell] = [next(windows) for _ in range(cell[1])]
         except StopIteration:
-            raise SystemExit(f"the stdlib modules give fewer than {prefixes_needed(args)} "
-                             f"distinct {args.prefix_tokens}-token prefixes") from None
+            raise SystemExit(f"the stdlib modules give fewer than {prefixes_needed(settings)} "
+                             f"distinct {settings.prefix_tokens}-token prefixes") from None
     # Before its timed requests every server B answers a long prompt nobody stored, and at
     # each rate one A stored: a server that has been serving on this link, whose rates
     # (`--vericache-store-reads auto`) are measured.
     unstored = stdlib_ids(tokenizer, "difflib", UNSTORED_TOKENS, start=0)
     bystander = stdlib_ids(tokenizer, "textwrap", BYSTANDER_PROMPT_TOKENS, start=0)
     stored = {rate: stdlib_ids(tokenizer, "heapq", STORED_TOKENS, start=i * STORED_TOKENS)
-              for i, rate in enumerate(args.rates_mbit)}
-    server_base = base_args(args.dtype)
-    tokens = pool_tokens(args)
+              for i, rate in enumerate(settings.rates_mbit)}
+    server_base = base_args(settings.dtype)
+    tokens = pool_tokens(settings)
     rows: list[dict] = []
     outputs: dict[tuple[str, float, int], list[list[int]]] = {}
-    lease_ms = lease_ttl_ms(args, kv_bytes_per_token(target, args.dtype))
+    lease_ms = lease_ttl_ms(settings, serving.kv_bytes_per_token(target, settings.dtype))
     written: set[str] = set()
-    with MooncakeService(segment_size=args.segment_mib << 20,
+    with MooncakeService(segment_size=settings.segment_mib << 20,
                          master_args=[f"--default_kv_lease_ttl={lease_ms}"]) as store:
-        for name in args.configs:
+        for name in settings.configs:
             flags = CONFIGS[name]
             reads_store = flags is not None
             server_args, env = server_base, None
@@ -356,8 +348,8 @@ def run_inside(args: argparse.Namespace) -> dict:
             if reads_store and WRITER[name] not in written:
                 written.add(WRITER[name])
                 # A's backups cross the link too: at the fastest rate, since they are not timed
-                set_rate(max(args.rates_mbit))
-                cli.log(f"[{name}] server A stores {prefixes_needed(args)} prefixes")
+                set_rate(max(settings.rates_mbit))
+                cli.log(f"[{name}] server A stores {prefixes_needed(settings)} prefixes")
                 with ServerProcess(target, server_args, max_total_tokens=tokens,
                                    env=env) as a:
                     for group in [*prefixes.values(), list(stored.values())]:
@@ -368,17 +360,17 @@ def run_inside(args: argparse.Namespace) -> dict:
             cli.log(f"[{name}] server B")
             with ServerProcess(target, server_args, max_total_tokens=tokens, env=env) as b:
                 b.generate(serving.request(unstored, 1))
-                for rate in args.rates_mbit:
+                for rate in settings.rates_mbit:
                     set_rate(rate)
                     b.generate(serving.request(stored[rate], 1))
-                    for batch in args.batch:
+                    for batch in settings.batch:
                         if reads_store:
                             # B writes its pages behind its answers: wait for them, so the
                             # timed requests' times and bytes are their own
                             store.wait_keys(0, timeout=900, settle=5.0)
                         prompts = [prefix + question for prefix in prefixes[(rate, batch)]]
                         row, outputs[(name, rate, batch)] = timed_batch(
-                            b, prompts, args, bystander if args.bystander else None)
+                            b, prompts, settings, bystander if settings.bystander else None)
                         rows.append({"rate_mbit": rate, "batch": batch, "config": name, **row})
                         cli.log(f"[{name}] {rate:g} Mbit/s, batch {batch}: "
                                 f"last token {row['last_s']:.1f} s, "
@@ -397,11 +389,11 @@ def run_inside(args: argparse.Namespace) -> dict:
                 counts = totals.setdefault(row["config"], [0, 0, []])
                 counts[0] += row[key]
                 counts[1] += len(got)
-                counts[2] += [first_difference(a, b) for a, b in zip(got, reference,
-                                                                      strict=True) if a != b]
+                counts[2] += [serving.first_difference(a, b)
+                              for a, b in zip(got, reference, strict=True) if a != b]
     return {"rows": rows, "identical": identical,
             "identical_to_hicache": identical_to_hicache, "kv_bytes_per_token":
-            kv_bytes_per_token(target, args.dtype), "pool_tokens": tokens,
+            serving.kv_bytes_per_token(target, settings.dtype), "pool_tokens": tokens,
             "lease_ttl_ms": lease_ms}
 
 
@@ -418,25 +410,28 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _table(results: dict, args: argparse.Namespace) -> str:
+def markdown(record: dict) -> str:
+    """A run's record (`measure`) as the table the script prints and the report shows."""
+    args, results = record["args"], record["results"]
+    bystander = args.get("bystander", False)
     rows = results["rows"]
     cell = {(r["rate_mbit"], r["batch"], r["config"]): r for r in rows}
-    mark = ordinal(args.mark_token)
-    rates = " and ".join(f"{rate:g}" for rate in args.rates_mbit)
+    mark = ordinal(args["mark_token"])
+    rates = " and ".join(f"{rate:g}" for rate in args["rates_mbit"])
     lines = [f"Emulated link (tc htb on the store's data ports inside a network namespace, not "
              f"a real network): {rates} Mbit/s. Per request a different stored "
-             f"{args.prefix_tokens}-token prefix + {QUESTION_TOKENS}-token question, "
-             f"{args.new_tokens} greedy tokens; {args.dtype} demo model; device pool "
+             f"{args['prefix_tokens']}-token prefix + {QUESTION_TOKENS}-token question, "
+             f"{args['new_tokens']} greedy tokens; {args['dtype']} demo model; device pool "
              f"{results['pool_tokens']} tokens, host pool twice that; Mooncake read lease "
              f"{results['lease_ttl_ms'] / 1000:g} s; one run. Times are "
              f"means over the batch's requests, from sending them; link MB = the bytes over "
              f"the link while the batch ran / batch size; storage hit per request; store "
-             f"reads for the whole batch.", "",
-             f"| link Mbit/s | batch | server | first token s | {mark} token s | last token s "
-             f"| {mark} / HiCache | {mark} / recompute | link MB / request | link / HiCache "
-             f"| storage hit | store reads s (pages) | identical |"
-             + (" bystander's largest gap s: loading / all |" if args.bystander else ""),
-             "| --- " * (14 if args.bystander else 13) + "|"]
+             f"reads for the whole batch.", ""]
+    header = ["link Mbit/s", "batch", "server", "first token s", f"{mark} token s",
+              "last token s", f"{mark} / HiCache", f"{mark} / recompute", "link MB / request",
+              "link / HiCache", "storage hit", "store reads s (pages)", "identical",
+              *(["bystander's largest gap s: loading / all"] if bystander else [])]
+    cells = []
     for r in rows:
         hicache = cell.get((r["rate_mbit"], r["batch"], "hicache"))
         recompute = cell.get((r["rate_mbit"], r["batch"], "recompute"))
@@ -451,17 +446,18 @@ def _table(results: dict, args: argparse.Namespace) -> str:
                      f"{read['early_drafts']} early drafts, {read['stash_accepted']} accepted")
         if read.get("declined_pages"):
             reads += f", {read['declined_pages']} declined"
-        same = "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}"
-        lines.append(
-            f"| {r['rate_mbit']:g} | {r['batch']} | {r['config']} | {_seconds(r['first_s'])} | "
-            f"{_seconds(r['mark_s'])} | {_seconds(r['last_s'])} | "
-            f"{_ratio(r['mark_s'], hicache and hicache['mark_s'])} | "
-            f"{_ratio(r['mark_s'], recompute and recompute['mark_s'])} | "
-            f"{r['link_bytes_per_request'] / 1e6:.1f} | "
-            f"{_ratio(r['link_bytes_per_request'], hicache and hicache['link_bytes_per_request'])}"
-            f" | {r['storage_hit']:.0f} | {reads} | {same} |"
-            + (f" {_seconds(r.get('bystander_gap_loading_s'))} / "
-               f"{_seconds(r.get('bystander_gap_s'))} |" if args.bystander else ""))
+        per_request = r["link_bytes_per_request"]
+        cells.append([
+            f"{r['rate_mbit']:g}", r["batch"], r["config"], _seconds(r["first_s"]),
+            _seconds(r["mark_s"]), _seconds(r["last_s"]),
+            _ratio(r["mark_s"], hicache and hicache["mark_s"]),
+            _ratio(r["mark_s"], recompute and recompute["mark_s"]), f"{per_request / 1e6:.1f}",
+            _ratio(per_request, hicache and hicache["link_bytes_per_request"]),
+            f"{r['storage_hit']:.0f}", reads,
+            "-" if r["identical"] is None else f"{r['identical']}/{r['compared']}",
+            *([f"{_seconds(r.get('bystander_gap_loading_s'))} / "
+               f"{_seconds(r.get('bystander_gap_s'))}"] if bystander else [])])
+    lines.append(tables.table(header, cells))
     for key, against in (("identical", "recompute"), ("identical_to_hicache", "HiCache")):
         if results.get(key):
             lines += ["", f"Identical to {against}, all cells (where not, the first token "
@@ -470,6 +466,44 @@ def _table(results: dict, args: argparse.Namespace) -> str:
                                                else "")
                           for name, (k, n, where) in results[key].items()) + "."]
     return "\n".join(lines)
+
+
+def identical(record: dict) -> bool | None:
+    """Whether every output equalled plain SGLang's recomputing (None: recompute not run). In
+    float32 it must; in bfloat16 a prefix read from a cache is not bit for bit a recomputed
+    one."""
+    counts = record["results"]["identical"]
+    return all(same == compared for same, compared, *_ in counts.values()) if counts else None
+
+
+def unavailable_reason() -> str | None:
+    """None where a shaped link and a Mooncake store can be made here, else why not."""
+    return shaping_unavailable_reason() or mooncake_unavailable_reason()
+
+
+def measure(settings: Settings) -> dict:
+    """One run behind a shaped link: the record `--json` writes and the bench suite returns,
+    the settings (`args`, with the store's segment) and what was measured (`results`). The
+    measurement runs in a child process inside the link's namespace; it reads the settings
+    from a JSON file and writes its results beside them."""
+    kv_bytes = serving.kv_bytes_per_token(Path(settings.model), settings.dtype)
+    if settings.segment_mib is None:
+        need = segment_mib_needed(settings, kv_bytes)
+        settings = replace(settings, segment_mib=max(1024, math.ceil(need / 256) * 256))
+    cli.log(f"store segment {settings.segment_mib} MiB; one server at a time")
+    available = psutil.virtual_memory().available
+    if (settings.segment_mib << 20) + SERVER_BYTES > available:
+        cli.log(f"warning: the segment and one server (~{SERVER_BYTES >> 30} GiB) may need more "
+                f"than the {available >> 20} MiB of memory available now")
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp, ShapedLink(max(settings.rates_mbit)) as link:
+        folder = Path(tmp)
+        (folder / SETTINGS_FILE).write_text(json.dumps(asdict(settings)))
+        subprocess.run(link.command([sys.executable, "-m", "bench.remote_prefix", "--inside",
+                                     str(folder)]), cwd=ROOT, check=True)
+        results = json.loads((folder / RESULTS_FILE).read_text())
+    results["wall_s"] = time.monotonic() - began
+    return {"args": asdict(settings), "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one rate (the same as --rates-mbit RATE)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="requests sent at once, each size in turn")
-    parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="every server's dtype (float32: where VeriCache's output must "
                              "equal plain SGLang's)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
@@ -499,63 +533,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="a request already decoding on server B when each timed batch "
                              "arrives: report its largest gap between streamed tokens while "
                              "the batch's prefixes load")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="write the record (settings and results) here")
+    parser.add_argument("--inside", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.inside:  # the child inside the link: settings in, results out, as JSON files
+        settings = Settings.from_json(json.loads((args.inside / SETTINGS_FILE).read_text()))
+        (args.inside / RESULTS_FILE).write_text(json.dumps(run_inside(settings)))
+        return 0
     if args.rate_mbit is not None and args.rates_mbit is not None:
         parser.error("give --rates-mbit or --rate-mbit, not both")
-    args.rates_mbit = args.rates_mbit or [args.rate_mbit or 200.0]
-    if min(args.rates_mbit) <= 0 or min(args.batch) < 1:
+    rates = args.rates_mbit or [args.rate_mbit or 200.0]
+    if min(rates) <= 0 or min(args.batch) < 1:
         parser.error("rates must be positive and batch sizes at least 1")
-    args.mark_token = min(args.mark_token, args.new_tokens)
-    if args.inside:
-        print("RESULTS " + json.dumps(run_inside(args)), flush=True)
-        return 0
-    reason = shaping_unavailable_reason() or mooncake_unavailable_reason()
+    reason = unavailable_reason()
     if reason:
         print(f"bench.remote_prefix cannot run here: {reason}", file=sys.stderr)
         return 2
-    kv_bytes = kv_bytes_per_token(cli.model_dir(args.model), args.dtype)
-    need_mib = math.ceil(store_bytes_needed(args, kv_bytes) / SEGMENT_FILL / (1 << 20))
-    if args.segment_mib is None:
-        args.segment_mib = max(1024, math.ceil(need_mib / 256) * 256)
-    elif args.segment_mib < need_mib:
+    settings = Settings(
+        model=str(cli.model_dir(args.model)), prefix_tokens=args.prefix_tokens,
+        new_tokens=args.new_tokens, mark_token=min(args.mark_token, args.new_tokens),
+        rates_mbit=tuple(rates), batch=tuple(args.batch), dtype=args.dtype,
+        configs=tuple(args.configs), segment_mib=args.segment_mib, bystander=args.bystander)
+    kv_bytes = serving.kv_bytes_per_token(Path(settings.model), settings.dtype)
+    need_mib = segment_mib_needed(settings, kv_bytes)
+    if args.segment_mib is not None and args.segment_mib < need_mib:
         parser.error(f"--segment-mib {args.segment_mib} is too small: the store holds about "
-                     f"{store_bytes_needed(args, kv_bytes) >> 20} MiB of pages here "
+                     f"{store_bytes_needed(settings, kv_bytes) >> 20} MiB of pages here "
                      f"({kv_bytes} bytes of {args.dtype} KV per token); Mooncake evicts past "
                      f"90%, so give at least {need_mib} (that / {SEGMENT_FILL})")
-    cli.log(f"store segment {args.segment_mib} MiB; one server at a time")
-    available = psutil.virtual_memory().available
-    if (args.segment_mib << 20) + SERVER_BYTES > available:
-        cli.log(f"warning: the segment and one server (~{SERVER_BYTES >> 30} GiB) may need more "
-                f"than the {available >> 20} MiB of memory available now")
-    began = time.monotonic()
-    found: list[str] = []
-    with ShapedLink(max(args.rates_mbit)) as link:
-        inner = ["--prefix-tokens", str(args.prefix_tokens), "--new-tokens",
-                 str(args.new_tokens), "--mark-token", str(args.mark_token), "--rates-mbit",
-                 *map(str, args.rates_mbit), "--batch", *map(str, args.batch), "--dtype",
-                 args.dtype, "--segment-mib", str(args.segment_mib), "--configs",
-                 *args.configs, *(["--model", str(args.model)] if args.model else []),
-                 *(["--bystander"] if args.bystander else [])]
-        with subprocess.Popen(link.command([sys.executable, "-m", "bench.remote_prefix",
-                                            "--inside", *inner]),
-                              stdout=subprocess.PIPE, text=True) as child:
-            for line in child.stdout:  # progress as it comes; the results line kept
-                if line.startswith("RESULTS "):
-                    found.append(line)
-                else:
-                    print(line, end="", flush=True)
-    if child.returncode != 0 or not found:
-        return child.returncode or 1
-    results = json.loads(found[-1][len("RESULTS "):])
-    results["wall_s"] = time.monotonic() - began
+    record = measure(settings)
     if args.json:
-        paths = {"json": str(args.json), "model": args.model and str(args.model)}
-        args.json.write_text(json.dumps({"args": vars(args) | paths, "results": results},
-                                        indent=2))
-    print(_table(results, args))
-    print(f"\nwall time {results['wall_s'] / 60:.1f} min")
+        args.json.write_text(json.dumps(record, indent=2))
+    print(markdown(record))
+    print(f"\nwall time {record['results']['wall_s'] / 60:.1f} min")
     return 0
 
 

@@ -3,6 +3,9 @@ numbers, for the generated section of docs/benchmarks.md (the figures are embedd
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 from bench import tables
 
 
@@ -51,9 +54,19 @@ def _perfmodel(s: dict) -> str:
                   "yes" if r["plain_fits"] else "no"] for r in rows], "rrrrrl"))
 
 
+def _script(name: str) -> Callable[[dict], str]:
+    """A suite shown as its script prints its results (`bench.NAME.markdown`)."""
+    def detail(s: dict) -> str:
+        return importlib.import_module(f"bench.{name}").markdown(s["result"])
+
+    return detail
+
+
 DETAIL = {"compressors": _compressors, "serving": _serving, "perfmodel": _perfmodel,
-          "codec": lambda s: f"`{s['result']['command']}`\n\n{s['result']['table']}"}
-"""Suites whose numbers are a table here; the others are their figures."""
+          **{name: _script(name) for name in (
+              "codec", "store", "cpu_gemm", "spec_decode", "logprob_drift", "round_host_time",
+              "window_cap", "placement", "remote_prefix")}}
+"""Suites whose numbers are a table here (the others are their figures, or the JSON alone)."""
 
 
 def markdown(record: dict) -> str:
@@ -64,7 +77,8 @@ def markdown(record: dict) -> str:
                                                           git["dirty"] else "") + ", on "
         f"{m['cpu']} ({m['cores']} cores, {m['memory_gb']:g} GiB, GPU: {m['gpu'] or 'none'}), "
         f"Python {m['python']}, torch {m['torch']}, SGLang {m['sglang']}. Outputs identical to "
-        f"plain decoding wherever a suite compares: **{'yes' if record['identical'] else 'NO'}**.",
+        f"plain decoding (the kernels': to the torch reference) wherever a suite compares: "
+        f"**{'yes' if record['identical'] else 'NO'}**.",
         "",
         tables.table(["suite", "seconds", "outputs compared", "note"],
                      [[name, s["seconds"],

@@ -10,6 +10,9 @@ from a flushed cache. Round host work = round time minus its forwards' time: its
 median per round, and the first round's (which compresses the prompt's pages); on a CPU a
 forward's wall time is its compute. Outputs are compared between checkouts.
 
+`python -m bench` runs it as its round_host_time suite, on this checkout alone (`run` gives the
+rows).
+
     python -m bench.round_host_time --checkout /tmp/before --prompt-tokens 3000
 """
 
@@ -24,8 +27,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from bench import cli
-from bench.multilevel import workloads
+from bench import cli, multilevel
 from bench.serving import COMMON, send_together
 from bench.tables import table
 from vericache_tools.server_args import VERICACHE
@@ -78,6 +80,52 @@ def measure(model: Path, args: list[str], payloads: list[dict], pythonpath: list
     }
 
 
+def run(model: Path, configs: list[str], workloads: list[str], prompt_tokens: int,
+        new_tokens: int, checkout: Path | None = None) -> list[dict]:
+    """One row per configuration, workload and checkout (`checkout`, when given, first as
+    "before", then this one): its rounds' host and forward times and its outputs."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    loads = multilevel.workloads(tokenizer, prompt_tokens, new_tokens)
+    checkouts = {"this checkout": []}
+    if checkout is not None:
+        checkouts = {"before": [checkout.resolve()], **checkouts}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plugins = plugin_dir(Path(tmp))
+        for config in configs:
+            for workload in workloads:
+                for name, path in checkouts.items():
+                    key = f"{config} | {workload} | {name}"
+                    cli.log(f"{key} ...")
+                    work = Path(tempfile.mkdtemp(dir=tmp))
+                    rows.append({"config": config, "workload": workload, "checkout": name,
+                                 **measure(model, CONFIGS[config], loads[workload],
+                                           [*path, plugins], work)})
+                    cli.log(f"{key}: {rows[-1]['host_ms_per_round']:.1f} host ms per round")
+    return rows
+
+
+def same_outputs(rows: list[dict]) -> list[bool]:
+    """Per row, whether its outputs equalled those of the first checkout's row of the same
+    configuration and workload."""
+    first = {}
+    for r in rows:
+        first.setdefault((r["config"], r["workload"]), r["outputs"])
+    return [r["outputs"] == first[(r["config"], r["workload"])] for r in rows]
+
+
+def markdown(rows: list[dict]) -> str:
+    return table(["config", "workload", "checkout", "rounds", "host ms / round",
+                  "median host ms", "first round host ms", "forward ms / round", "host share",
+                  "forwards / round", "same output"],
+                 [[r["config"], r["workload"], r["checkout"], r["rounds"],
+                   f"{r['host_ms_per_round']:.1f}", f"{r['median_host_ms']:.1f}",
+                   f"{r['first_round_host_ms']:.1f}", f"{r['forward_ms_per_round']:.1f}",
+                   f"{100 * r['host_share']:.1f}%", f"{r['forwards_per_round']:.1f}",
+                   "yes" if same else "NO"] for r, same in zip(rows, same_outputs(rows),
+                                                               strict=True)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("bench.round_host_time", __doc__)
     cli.add_model(parser)
@@ -90,41 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["code, batch 1", "code, batch 4"])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
-    model = cli.model_dir(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    loads = workloads(tokenizer, args.prompt_tokens, args.new_tokens)
-    checkouts = {"this checkout": []}
-    if args.checkout is not None:
-        checkouts = {"before": [args.checkout.resolve()], **checkouts}
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        plugins = plugin_dir(Path(tmp))
-        for config in args.configs:
-            for workload in args.workloads:
-                for checkout, path in checkouts.items():
-                    key = f"{config} | {workload} | {checkout}"
-                    cli.log(f"{key} ...")
-                    work = Path(tempfile.mkdtemp(dir=tmp))
-                    results[key] = measure(model, CONFIGS[config], loads[workload],
-                                           [*path, plugins], work)
-                    cli.log(f"{key}: {results[key]['host_ms_per_round']:.1f} host ms per round")
-    rows = []
-    for key, r in results.items():
-        config, workload, checkout = key.split(" | ")
-        base = results[f"{config} | {workload} | {next(iter(checkouts))}"]
-        rows.append([config, workload, checkout, r["rounds"], f"{r['host_ms_per_round']:.1f}",
-                     f"{r['median_host_ms']:.1f}", f"{r['first_round_host_ms']:.1f}",
-                     f"{r['forward_ms_per_round']:.1f}", f"{100 * r['host_share']:.1f}%",
-                     f"{r['forwards_per_round']:.1f}",
-                     "yes" if r["outputs"] == base["outputs"] else "NO"])
-    print(table(["config", "workload", "checkout", "rounds", "host ms / round",
-                 "median host ms", "first round host ms", "forward ms / round", "host share",
-                 "forwards / round", "same output"], rows))
+    rows = run(cli.model_dir(args.model), args.configs, args.workloads, args.prompt_tokens,
+               args.new_tokens, args.checkout)
+    print(markdown(rows))
     print(cli.invocation("bench.round_host_time", argv))
     if args.out is not None:
         args.out.write_text(json.dumps({"command": cli.invocation("bench.round_host_time", argv),
-                                        "results": results}, indent=1))
-    return 0 if all(row[-1] == "yes" for row in rows) else 1
+                                        "results": rows}, indent=1))
+    return 0 if all(same_outputs(rows)) else 1
 
 
 if __name__ == "__main__":

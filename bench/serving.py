@@ -4,13 +4,24 @@ through `vericache_tools.server_process.ServerProcess` (127.0.0.1, stopped by PI
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from vericache_tools.server_args import server_args
 from vericache_tools.server_process import ServerProcess, ServerStartError
 
 COMMON = server_args()
 """What every benchmark server starts with (`vericache_tools.server_args`)."""
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    """The model's full KV per token (all layers, K and V) at `dtype`, from its config.json."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return (config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+            * DTYPE_BYTES[dtype])
 
 
 def request(ids: list[int], new_tokens: int, extra: dict | None = None, *,

@@ -17,13 +17,14 @@ Per configuration:
              decoding reads the committed KV once per token, a verify round reads it once for
              its k + 1 tokens (committed length taken at the middle of each request's decode,
              exact to within max_new_tokens / prompt length);
-  tok/s      decode throughput, prefill subtracted as in bench/decode_throughput.py (the time of
-             a 1-token request on the same prompt; the prefix cache is flushed before each timed
-             request, so both prefill in full);
+  tok/s      decode throughput, prefill subtracted (the time of a 1-token request on the same
+             prompt; the prefix cache is flushed before each timed request, so both prefill in
+             full);
   identical  whether every output equals plain SGLang's token for token (it must: float32).
 
 Not a test: it prints a progress line per request and a markdown table, and with --write-docs
 puts the table and the exact command into the marked section of the given markdown file.
+`python -m bench` runs it as its spec_decode suite (`run` gives the figures).
 
     .venv/bin/python -m bench.spec_decode --quick
     .venv/bin/python -m bench.spec_decode --write-docs docs/spec_decode.md
@@ -32,17 +33,17 @@ puts the table and the exact command into the marked section of the given markdo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import cli
+from bench import cli, tables
 from bench.cli import log
 from bench.docs_section import markers, replace_section
-from bench.serving import first_difference, request
+from bench.serving import DTYPE_BYTES, first_difference, kv_bytes_per_token, request
 from vericache_tools.prompts import file_prompt
+from vericache_tools.server_args import server_args
 from vericache_tools.server_process import ServerProcess
 
 # (stdlib source, prompt tokens): the start of each file.
@@ -52,7 +53,6 @@ DEFAULT_CONFIGS = ["kivi:bits=4@8", "kivi:bits=4@16", "kivi:bits=4@32", "kivi:bi
 QUICK_PROMPTS = ["textwrap.py:2048", "argparse.py:3072"]
 QUICK_CONFIGS = ["kivi:bits=4@16", "kivi:bits=4@32", "kivi:bits=8@32"]
 SECTION = "spec_decode"
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -171,16 +171,17 @@ def _generate(server: ServerProcess, ids: list[int], n: int) -> tuple[dict, floa
     return out, seconds
 
 
-def serve(model: Path, row: Row, prompts: list[Prompt], args, reference: Row | None) -> None:
+def serve(model: Path, row: Row, prompts: list[Prompt], dtype: str, new_tokens: int,
+          max_total_tokens: int, reference: Row | None) -> None:
     name = row.config.label if row.config else "plain"
     extra = row.config.server_args() if row.config else []
     log(f"{name}: starting server")
-    with ServerProcess(model, ["--dtype", args.dtype, *extra],
-                       max_total_tokens=args.max_total_tokens) as server:
+    with ServerProcess(model, [*server_args(dtype), *extra],
+                       max_total_tokens=max_total_tokens) as server:
         log(f"{name}: healthy after {server.startup_seconds:.0f} s")
         for i, prompt in enumerate(prompts):
             _, prefill = _generate(server, prompt.ids, 1)
-            out, seconds = _generate(server, prompt.ids, args.max_new_tokens)
+            out, seconds = _generate(server, prompt.ids, new_tokens)
             run = Run(prompt, out["output_ids"], out["meta_info"], seconds, prefill)
             row.runs.append(run)
             line = (f"{name} {prompt.name}: {run.decode_tokens / run.decode_seconds:.2f} tok/s "
@@ -207,28 +208,69 @@ def serve(model: Path, row: Row, prompts: list[Prompt], args, reference: Row | N
             log(line)
 
 
-def markdown(plain: Row, rows: list[Row], token_bytes: int) -> str:
+def run(model: Path, prompts: list[Prompt], configs: list[Config], new_tokens: int,
+        dtype: str = "float32", max_total_tokens: int | None = None) -> dict:
+    """Plain SGLang, then one VeriCache server per configuration, on the same prompts: each
+    configuration's figures (the table's columns, its rounds by accepted drafts, its outputs'
+    mismatches with plain SGLang's). `max_total_tokens` None: what the longest request needs
+    and 1024 more."""
+    began = time.monotonic()
+    if max_total_tokens is None:
+        max_total_tokens = (max(len(p.ids) for p in prompts) + new_tokens
+                            + max(c.k for c in configs) + 1024)
+    token_bytes = kv_bytes_per_token(model, dtype)
+    log(f"{len(prompts)} prompts ({', '.join(p.name for p in prompts)}), "
+        f"{len(configs)} configs, {new_tokens} new tokens, full KV "
+        f"{token_bytes} B/token ({dtype})")
+    plain = Row(None)
+    serve(model, plain, prompts, dtype, new_tokens, max_total_tokens, None)
+    rows = [Row(c) for c in configs]
+    for row in rows:
+        serve(model, row, prompts, dtype, new_tokens, max_total_tokens, plain)
     plain_kv = plain.kv_bytes_read(token_bytes) / plain.decode_tokens
-    plain_tps = plain.tokens_per_second()
-    lines = [
-        "| compressor | k | E (tokens/round) | E (full rounds) | acceptance | rounds "
-        "| full KV read per token: VeriCache / plain | tok/s VeriCache / plain "
-        "| identical to plain |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|",
-    ]
+    configs_out = []
     for row in rows:
         acceptance = row.accepted / max(row.drafted, 1)
-        kv = row.kv_bytes_read(token_bytes) / row.decode_tokens
-        tps = row.tokens_per_second()
-        same = "yes" if not row.mismatches else "**NO**: " + "; ".join(row.mismatches)
-        lines.append(
-            f"| `{row.config.spec}` | {row.config.k} "
-            f"| {row.decode_tokens / max(row.rounds, 1):.2f} | {1 + row.config.k * acceptance:.2f} "
-            f"| {acceptance:.1%} ({row.accepted}/{row.drafted}) | {row.rounds} "
-            f"| {kv / 2**20:.2f} / {plain_kv / 2**20:.2f} MiB ({plain_kv / kv:.1f}x less) "
-            f"| {tps:.2f} / {plain_tps:.2f} ({tps / plain_tps:.2f}x) | {same} |"
-        )
-    return "\n".join(lines)
+        configs_out.append({
+            "spec": row.config.spec, "k": row.config.k,
+            "E": row.decode_tokens / max(row.rounds, 1), "E_full": 1 + row.config.k * acceptance,
+            "acceptance": acceptance, "accepted": row.accepted, "drafted": row.drafted,
+            "rounds": row.rounds, "decode_tokens": row.decode_tokens,
+            "kv_read_per_token": row.kv_bytes_read(token_bytes) / row.decode_tokens,
+            "tok_s": row.tokens_per_second(), "histogram": row.histogram(),
+            "mismatches": row.mismatches})
+    return {"model": model.name, "prompts": [p.name for p in prompts], "new_tokens": new_tokens,
+            "dtype": dtype, "kv_bytes_per_token": token_bytes,
+            "plain": {"kv_read_per_token": plain_kv, "tok_s": plain.tokens_per_second()},
+            "configs": configs_out, "seconds": time.monotonic() - began}
+
+
+def markdown(result: dict) -> str:
+    """What was run, the table, and each configuration's rounds by accepted drafts."""
+    plain_kv, plain_tps = result["plain"]["kv_read_per_token"], result["plain"]["tok_s"]
+    rows = []
+    for c in result["configs"]:
+        kv, tps = c["kv_read_per_token"], c["tok_s"]
+        rows.append([
+            f"`{c['spec']}`", c["k"], f"{c['E']:.2f}", f"{c['E_full']:.2f}",
+            f"{c['acceptance']:.1%} ({c['accepted']}/{c['drafted']})", c["rounds"],
+            f"{kv / 2**20:.2f} / {plain_kv / 2**20:.2f} MiB ({plain_kv / kv:.1f}x less)",
+            f"{tps:.2f} / {plain_tps:.2f} ({tps / plain_tps:.2f}x)",
+            "yes" if not c["mismatches"] else "**NO**: " + "; ".join(c["mismatches"])])
+    table = tables.table(
+        ["compressor", "k", "E (tokens/round)", "E (full rounds)", "acceptance", "rounds",
+         "full KV read per token: VeriCache / plain", "tok/s VeriCache / plain",
+         "identical to plain"], rows, "lrrrrrlll")
+    notes = (
+        f"Prompts: {', '.join(result['prompts'])} (Python {sys.version_info.major}."
+        f"{sys.version_info.minor} standard library); {result['new_tokens']} greedy tokens each "
+        f"(`ignore_eos`), `--dtype {result['dtype']}`, fixed draft length k per server. Full "
+        f"KV: {result['kv_bytes_per_token']} bytes per token. Run on {result['model']} in "
+        f"{result['seconds'] / 60:.0f} min.")
+    histograms = "\n".join(f"- `{c['spec']}@{c['k']}`: {c['histogram']}"
+                           for c in result["configs"])
+    return (f"{notes}\n\n{table}\n\nRounds by accepted drafts "
+            f"(`spec_correct_drafts_histogram`, summed over prompts):\n\n{histograms}\n")
 
 
 def write_docs(path: Path, command: str, body: str) -> None:
@@ -254,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"prompts {' '.join(QUICK_PROMPTS)}, configs "
                         f"{' '.join(QUICK_CONFIGS)} (unless given)")
-    parser.add_argument("--dtype", default="float32",
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPE_BYTES),
                         help="--dtype for every server (default: float32, where output identity "
                         "is exact)")
     parser.add_argument("--max-total-tokens", type=int, default=None,
@@ -266,53 +308,23 @@ def main(argv: list[str] | None = None) -> int:
     prompt_entries = args.prompts or (QUICK_PROMPTS if args.quick else DEFAULT_PROMPTS)
     configs = args.configs or [Config.parse(c) for c in
                                (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)]
-    started = time.time()
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    args.model = cli.model_dir(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = load_prompts(prompt_entries, tokenizer)
+    model = cli.model_dir(args.model)
+    prompts = load_prompts(prompt_entries, AutoTokenizer.from_pretrained(model))
     needed = max(len(p.ids) for p in prompts) + args.max_new_tokens + max(c.k for c in configs)
-    if args.max_total_tokens is None:
-        args.max_total_tokens = needed + 1024
-    elif args.max_total_tokens < needed + 1:
+    if args.max_total_tokens is not None and args.max_total_tokens < needed + 1:
         raise SystemExit(f"--max-total-tokens must be at least {needed + 1}")
-    model_config = AutoConfig.from_pretrained(args.model)
-    head_dim = getattr(model_config, "head_dim", None) or (
-        model_config.hidden_size // model_config.num_attention_heads)
-    token_bytes = (2 * model_config.num_hidden_layers * model_config.num_key_value_heads
-                   * head_dim * DTYPE_BYTES.get(args.dtype, 2))
-    log(f"{len(prompts)} prompts ({', '.join(p.name for p in prompts)}), "
-        f"{len(configs)} configs, {args.max_new_tokens} new tokens, full KV "
-        f"{token_bytes} B/token ({args.dtype})")
-
-    plain = Row(None)
-    serve(args.model, plain, prompts, args, None)
-    rows = [Row(c) for c in configs]
-    for row in rows:
-        serve(args.model, row, prompts, args, plain)
-
-    table = markdown(plain, rows, token_bytes)
-    minutes = (time.time() - started) / 60
-    histograms = "\n".join(f"- `{r.config.label}`: {r.histogram()}" for r in rows)
-    notes = (
-        f"Prompts: {', '.join(p.name for p in prompts)} (Python {sys.version_info.major}."
-        f"{sys.version_info.minor} standard library); {args.max_new_tokens} greedy tokens each "
-        f"(`ignore_eos`), `--dtype {args.dtype}`, fixed draft length k per server. Full KV: "
-        f"{token_bytes} bytes per token. Run on {args.model.name} in {minutes:.0f} min."
-    )
-    body = (f"{notes}\n\n{table}\n\nRounds by accepted drafts "
-            f"(`spec_correct_drafts_histogram`, summed over prompts):\n\n{histograms}\n")
-    print(json.dumps({r.config.label: {"rounds": r.rounds, "drafted": r.drafted,
-                                       "accepted": r.accepted, "decode_tokens": r.decode_tokens}
-                      for r in rows}))
+    result = run(model, prompts, configs, args.max_new_tokens, args.dtype,
+                 args.max_total_tokens)
+    body = markdown(result)
     print(body)
-    log(f"done in {minutes:.1f} min")
+    log(f"done in {result['seconds'] / 60:.1f} min")
     if args.write_docs:
         write_docs(args.write_docs, cli.invocation("bench.spec_decode", argv), body)
         log(f"wrote {args.write_docs}")
-    bad = [f"{r.config.label}: {m}" for r in rows for m in r.mismatches]
+    bad = [f"{c['spec']}@{c['k']}: {m}" for c in result["configs"] for m in c["mismatches"]]
     if bad:
         print("!!! OUTPUT MISMATCHES WITH PLAIN SGLANG (a bug: float32 must be identical):\n  "
               + "\n  ".join(bad), file=sys.stderr)

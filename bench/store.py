@@ -21,10 +21,11 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from bench import cli
+from bench import cli, tables
 from bench.codec import kv_of
 from vericache_sglang import models
 from vericache_sglang.stores.file import VeriCacheFileStorage
+from vericache_sglang.stores.state import StoreState
 from vericache_tools.hf_eval import load_model
 from vericache_tools.prompts import file_ids
 
@@ -34,10 +35,10 @@ def _store(directory: str) -> VeriCacheFileStorage:
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
         model_name="bench", extra_config={"file_storage_path": directory})
-    return VeriCacheFileStorage(config)
+    return VeriCacheFileStorage(config, StoreState())
 
 
-def measure(keys: torch.Tensor, values: torch.Tensor, page: int) -> dict[str, float]:
+def measure_pages(keys: torch.Tensor, values: torch.Tensor, page: int) -> dict[str, float]:
     """Store [L, T, H, D] K/V as pages of `page` tokens (layer_first host layout)."""
     layers, tokens, heads, dim = keys.shape
     pages = tokens // page
@@ -48,8 +49,8 @@ def measure(keys: torch.Tensor, values: torch.Tensor, page: int) -> dict[str, fl
     with tempfile.TemporaryDirectory() as directory:
         store = _store(directory)
         store.register_mem_pool_host(SimpleNamespace(
-            layout="layer_first", page_size=page, layer_num=layers, head_num=heads,
-            head_dim=dim, dtype=keys.dtype))
+            layout="layer_first", page_size=page, size=pages * page, layer_num=layers,
+            head_num=heads, head_dim=dim, dtype=keys.dtype))
         began = time.perf_counter()
         assert all(store.set(f"{p:064x}", f) for p, f in enumerate(flat))
         write_s = time.perf_counter() - began
@@ -60,8 +61,36 @@ def measure(keys: torch.Tensor, values: torch.Tensor, page: int) -> dict[str, fl
             target = torch.empty_like(f)
             assert store.get(f"{p:064x}", target) is not None and torch.equal(target, f)
         read_s = time.perf_counter() - began
-    return {"files": len(files), "stored / raw KV": stored / raw,
-            "write MB/s": raw / 1e6 / write_s, "read MB/s": raw / 1e6 / read_s}
+    return {"files": len(files), "stored_ratio": stored / raw,
+            "write_mb_s": raw / 1e6 / write_s, "read_mb_s": raw / 1e6 / read_s}
+
+
+def measure(model, tokenizer, files: list[str], tokens: int,
+            page_sizes: tuple[int, ...] = (1, 64)) -> list[dict]:
+    """One row per prompt, dtype and page size: the pages' files, bytes on disk over the raw KV,
+    write and read speed. Runs on one thread (speeds are per core)."""
+    rows = []
+    with cli.threads(1):
+        for name in files:
+            ids = file_ids(tokenizer, name, tokens)
+            keys, values = kv_of(model, ids)
+            for dtype in (torch.bfloat16, torch.float32):
+                for page in page_sizes:
+                    rows.append({"prompt": f"{name} ({len(ids)} tokens)",
+                                 "dtype": str(dtype).removeprefix("torch."), "page": page,
+                                 "form": "CacheGen stream" if page % 32 == 0 else "raw + digest",
+                                 **measure_pages(keys.to(dtype), values.to(dtype), page)})
+                    cli.log(f"store: {rows[-1]['prompt']}, {rows[-1]['dtype']}, pages of "
+                            f"{page}: {rows[-1]['stored_ratio']:.3f} of the raw KV")
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    return tables.table(
+        ["prompt", "dtype", "page size", "form", "files", "stored / raw KV", "write MB/s",
+         "read MB/s"],
+        [[r["prompt"], r["dtype"], r["page"], r["form"], r["files"], f"{r['stored_ratio']:.3f}",
+          f"{r['write_mb_s']:.1f}", f"{r['read_mb_s']:.1f}"] for r in rows], "llrlrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,20 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=3200, help="tokens per prompt")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 64])
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     model, tokenizer = load_model(models.prepare().target)
-    print("| prompt | dtype | page size | form | files | stored / raw KV | write MB/s | "
-          "read MB/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.files:
-        ids = file_ids(tokenizer, name, args.tokens)
-        keys, values = kv_of(model, ids)
-        for dtype in (torch.bfloat16, torch.float32):
-            for page in args.page_sizes:
-                r = measure(keys.to(dtype), values.to(dtype), page)
-                form = "CacheGen stream" if page % 32 == 0 else "raw + digest"
-                print(f"| {name} ({len(ids)} tokens) | {str(dtype).removeprefix('torch.')} | "
-                      f"{page} | {form} | {r['files']} | {r['stored / raw KV']:.3f} | "
-                      f"{r['write MB/s']:.1f} | {r['read MB/s']:.1f} |", flush=True)
+    print(markdown(measure(model, tokenizer, args.files, args.tokens, tuple(args.page_sizes))))
     return 0
 
 

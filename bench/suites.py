@@ -1,12 +1,13 @@
 """The suites `python -m bench` runs, each at a size, each returning plain data for the run's
-JSON and plots. A suite calls the functions its own script (`python -m bench.X`) runs, so the
-entry and the scripts measure the same way; `identical` says whether every output a suite
-compares equalled plain decoding's (None: the suite compares none)."""
+JSON and plots. A suite calls the functions its own script (`python -m bench.X`) runs and gets
+their figures back as data, so the entry and the scripts measure the same way; `identical`
+says whether every output a suite compares equalled its reference's: plain decoding's, or for
+the device check the torch reference kernels' (None: the suite compares none). A suite a size
+does not run, or a machine cannot, returns why as `skipped`."""
 
 from __future__ import annotations
 
-import contextlib
-import io
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -16,10 +17,11 @@ import torch
 
 from bench import cli
 
-REMOTE_PREFIX = ("run on its own: `python -m bench.remote_prefix` measures a stored prefix "
-                 "behind an emulated link (a network namespace, a Mooncake store, up to seven "
-                 "servers: too long for this entry); levels chosen by the link (issue 27) are "
-                 "not built yet")
+REMOTE_PREFIX_UNAVAILABLE = "needs an emulated link and a Mooncake store, not available here: "
+"""How the remote-prefix suite's skip begins where it cannot run (the reason follows)."""
+REMOTE_PREFIX_CONFIGS = ("recompute", "hicache", "vericache", "vericache-early")
+"""What the remote-prefix suite compares, one line each in its plot: plain SGLang recomputing,
+HiCache reading the full KV, VeriCache reading its coded pages, and drafting on them early."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,16 @@ class Size:
     memory_context: int
     memory_specs: tuple[str, ...]
     codec_tokens: int
+    store_tokens: int
+    gemm_rows: tuple[int, ...]
+    gemm_repeats: int
+    remote_prefix_tokens: int
+    remote_prefix_rates: tuple[float, ...]
+    """Mbit/s of the emulated link, each in turn: the plot's x axis; none: skipped."""
+    remote_prefix_batches: tuple[int, ...]
+    remote_prefix_new_tokens: int
+    remote_prefix_mark: int
+    """The n of the time to the n-th token."""
     prompt_tokens: int
     """Server workloads' context."""
     new_tokens: int
@@ -52,6 +64,20 @@ class Size:
     """Device tokens of bench.full_tier's three servers; None: the full tier's figures come
     from the throughput suite's VeriCache server (no budget comparison)."""
     full_tier_prompt_tokens: int = 4000
+    spec_decode_prompts: tuple[str, ...] = ()
+    """FILE:TOKENS prompts of bench.spec_decode, each server answering each; none: skipped."""
+    spec_decode_configs: tuple[str, ...] = ()
+    """SPEC@K, one VeriCache server each beside plain SGLang."""
+    logprob_drift: bool = False
+    """bench.logprob_drift's two servers."""
+    host_time_configs: tuple[str, ...] = ()
+    """bench.round_host_time's configurations, on this checkout; none: skipped."""
+    window_cap_requests: int | None = None
+    """bench.window_cap's batch; None: skipped."""
+    placement: bool = False
+    """bench.placement's five servers, every memory setting at its default."""
+    device_check_full: bool = False
+    """bench.device_check at Llama-3-8B's sizes where a GPU is present (toy sizes otherwise)."""
 
 
 CONTROL = "streaming:ratio=1.0"
@@ -69,7 +95,10 @@ SIZES = {
         drafting_specs=("kivi:bits=4", "snapkv:ratio=0.25"), draft_lengths=(4, 8),
         drafting_new_tokens=12, memory_files=("argparse.py",), memory_context=256,
         memory_specs=("kivi:bits=8", "kivi:bits=4", "kivi:bits=2", "snapkv:ratio=0.25"),
-        codec_tokens=256, prompt_tokens=1024, new_tokens=16,
+        codec_tokens=256, store_tokens=256, gemm_rows=(1, 2, 4), gemm_repeats=2,
+        remote_prefix_tokens=1024, remote_prefix_rates=(),
+        remote_prefix_batches=(1,), remote_prefix_new_tokens=16, remote_prefix_mark=8,
+        prompt_tokens=1024, new_tokens=16,
         workloads=("code, batch 1", "code, batch 4"),
         request_types=("greedy", "3 greedy + 1 custom logit processor")),
     "small": Size(
@@ -78,23 +107,38 @@ SIZES = {
         drafting_specs=("kivi:bits=4", "kivi:bits=2", "snapkv:ratio=0.25"),
         draft_lengths=(2, 4, 8, 16), drafting_new_tokens=48,
         memory_files=("argparse.py", "difflib.py"), memory_context=1024,
-        memory_specs=MEMORY_SPECS, codec_tokens=1024, prompt_tokens=1024, new_tokens=64,
+        memory_specs=MEMORY_SPECS, codec_tokens=1024, store_tokens=1024,
+        gemm_rows=(1, 2, 3, 4, 5, 6, 9), gemm_repeats=3, remote_prefix_tokens=3200,
+        remote_prefix_rates=(1000.0, 200.0, 100.0), remote_prefix_batches=(1,),
+        remote_prefix_new_tokens=64, remote_prefix_mark=32, prompt_tokens=1024, new_tokens=64,
         workloads=("code, batch 1", "chat, batch 1", "code, batch 4", "chat, batch 4"),
         request_types=("greedy", "sampled", "grammar", "3 greedy + 1 custom logit processor"),
         servers=("VeriCache, one level", "VeriCache + ngram"), full_tier_budget=6000,
-        full_tier_prompt_tokens=2000),
+        full_tier_prompt_tokens=2000, spec_decode_prompts=("textwrap.py:2048",),
+        spec_decode_configs=("kivi:bits=4@16", "kivi:bits=8@32"), logprob_drift=True,
+        host_time_configs=("one level",)),
     "full": Size(
         quality_files=("argparse.py", "textwrap.py", "GPL-3", "difflib.py"), quality_tokens=3072,
         quality_specs=QUALITY_SPECS, quality_new_tokens=64, drafting_prompt="textwrap.py:2048",
         drafting_specs=("kivi:bits=4", "kivi:bits=2", "snapkv:ratio=0.25"),
         draft_lengths=(4, 8, 16, 32), drafting_new_tokens=128,
         memory_files=("argparse.py", "difflib.py", "GPL-3", "typing.py"), memory_context=4096,
-        memory_specs=MEMORY_SPECS, codec_tokens=2048, prompt_tokens=2500, new_tokens=128,
+        memory_specs=MEMORY_SPECS, codec_tokens=2048, store_tokens=3200,
+        gemm_rows=(1, 2, 3, 4, 5, 6, 9), gemm_repeats=5, remote_prefix_tokens=6000,
+        remote_prefix_rates=(1000.0, 200.0), remote_prefix_batches=(1, 4),
+        remote_prefix_new_tokens=256, remote_prefix_mark=128, prompt_tokens=2500,
+        new_tokens=128,
         workloads=("code, batch 1", "chat, batch 1", "code, batch 4", "chat, batch 4"),
         request_types=("greedy", "sampled", "logprobs", "penalties", "grammar", "tools",
                        "custom logit processor", "3 greedy + 1 custom logit processor"),
         servers=("VeriCache, one level", "VeriCache + ngram", "VeriCache + draft model",
-                 "SGLang NGRAM"), full_tier_budget=12000),
+                 "SGLang NGRAM"), full_tier_budget=12000,
+        spec_decode_prompts=("textwrap.py:2048", "argparse.py:3072", "difflib.py:4096",
+                             "inspect.py:6144"),
+        spec_decode_configs=("kivi:bits=4@8", "kivi:bits=4@16", "kivi:bits=4@32",
+                             "kivi:bits=8@32", "snapkv:ratio=0.25@32"),
+        logprob_drift=True, host_time_configs=("one level", "ngram two-level"),
+        window_cap_requests=16, placement=True, device_check_full=True),
 }
 
 
@@ -170,20 +214,48 @@ def memory(ctx: Context) -> dict:
 
 
 def codec(ctx: Context) -> dict:
-    """The CacheGen codec's bytes and speed table (bench.codec, run as its command is)."""
-    from bench import codec as codec_bench
+    """The CacheGen codec's bytes per element and speed (bench.codec), per-channel tables."""
+    from bench import codec as bench_codec
 
-    threads = torch.get_num_threads()  # bench.codec runs on one thread
-    out = io.StringIO()
-    argv = ["--files", "argparse.py", "--tokens", str(ctx.size.codec_tokens), "--chunk", "256",
-            "--tables", "channel"]
-    try:
-        with contextlib.redirect_stdout(out):
-            codec_bench.main(argv)
-    finally:
-        torch.set_num_threads(threads)
-    return {"result": {"command": "python -m bench.codec " + " ".join(argv),
-                       "table": out.getvalue().strip()}, "identical": None}
+    model, tokenizer = ctx.hf
+    return {"result": bench_codec.measure(model, tokenizer, ["argparse.py"],
+                                          ctx.size.codec_tokens, groupings=("channel",)),
+            "identical": None}
+
+
+def store(ctx: Context) -> dict:
+    """Files, bytes on disk and speed of a prefix in VeriCache's file store by page size
+    (bench.store; every page is read back and compared as it is measured)."""
+    from bench import store as bench_store
+
+    model, tokenizer = ctx.hf
+    return {"result": bench_store.measure(model, tokenizer, ["argparse.py"],
+                                          ctx.size.store_tokens),
+            "identical": None}
+
+
+def cpu_gemm(ctx: Context) -> dict:
+    """One forward's products at few rows, as X @ W^T and in the worker's few-row form
+    (bench.cpu_gemm), with this run's torch threads."""
+    from bench import cpu_gemm as bench_gemm
+
+    model, _ = ctx.hf
+    return {"result": bench_gemm.measure(bench_gemm.forward_weights(model), ctx.size.gemm_rows,
+                                         ctx.size.gemm_repeats),
+            "identical": None}
+
+
+def device_check(ctx: Context) -> dict:
+    """The prepared device check (bench.device_check): kernels against the torch reference,
+    draft-step attention, the copy engine and the performance model, on the GPU at full size
+    where there is one, else at toy sizes on the CPU."""
+    from bench import device_check as check
+
+    gpu = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as out:
+        data = check.run(Path(out), torch.device("cuda" if gpu else "cpu"),
+                         small=not (gpu and ctx.size.device_check_full))
+    return {"result": data, "identical": check.passed(data)}
 
 
 def serving(ctx: Context) -> dict:
@@ -193,8 +265,9 @@ def serving(ctx: Context) -> dict:
     from transformers import AutoTokenizer
 
     from bench import multilevel, request_types
-    from bench.serving import COMMON, start_failure, vericache_figures
+    from bench.serving import start_failure, vericache_figures
     from vericache_sglang import models
+    from vericache_tools.server_args import server_args
     from vericache_tools.server_process import ServerProcess, ServerStartError
 
     s = ctx.size
@@ -205,12 +278,14 @@ def serving(ctx: Context) -> dict:
              if any(name.startswith(word) for word in s.request_types)}
     every = multilevel.server_args("host", models.prepare().drafter)
     servers = {name: every[name] for name in ["plain SGLang", *s.servers]}
-    throughput, kinds_out, figures, failures = {}, {}, None, {}
+    # bench.multilevel's batch, with /metrics and custom logit processors for the request types
+    common = server_args(max_running_requests=4, metrics=True, custom_logit_processor=True)
+    throughput, kinds_out, figures, failures, startup = {}, {}, None, {}, {}
     for name, extra in servers.items():
         cli.log(f"  {name}: starting")
         try:
-            with ServerProcess(ctx.model_dir, [*COMMON, *multilevel.BATCH,
-                                               *request_types.METRICS, *extra]) as server:
+            with ServerProcess(ctx.model_dir, [*common, *extra]) as server:
+                startup[name] = server.startup_seconds
                 throughput[name] = {w: multilevel.measure_decode(server, p)
                                     for w, p in loads.items()}
                 if name == s.servers[0]:
@@ -229,7 +304,7 @@ def serving(ctx: Context) -> dict:
                          "vs_plain": r["tok_s"] / plain[w]["tok_s"], "E": r["E0"],
                          "identical": f"{n} of {len(reference)}"})
     return {"result": {"throughput": rows, "request_types": kinds_out, "full_tier": figures,
-                       "not_started": failures},
+                       "startup_s": startup, "not_started": failures},
             "identical": same}
 
 
@@ -253,6 +328,77 @@ def full_tier(ctx: Context) -> dict:
     return {"result": {name: {k: v for k, v in r.items() if k != "outputs"}
                        for name, r in rows.items()},
             "identical": all(r["outputs"] == plain for r in rows.values())}
+
+
+def spec_decode(ctx: Context) -> dict:
+    """E, acceptance, full-KV reads and decode speed of VeriCache servers at fixed draft
+    lengths against plain SGLang (bench.spec_decode), every output compared."""
+    s = ctx.size
+    if not s.spec_decode_prompts:
+        return {"skipped": "this size runs no fixed-k servers (two more servers); the drafting "
+                "suite measures E offline", "identical": None}
+    from transformers import AutoTokenizer
+
+    from bench import spec_decode as bench_spec
+
+    prompts = bench_spec.load_prompts(list(s.spec_decode_prompts),
+                                      AutoTokenizer.from_pretrained(ctx.model_dir))
+    result = bench_spec.run(ctx.model_dir, prompts,
+                            [bench_spec.Config.parse(c) for c in s.spec_decode_configs],
+                            s.new_tokens)
+    return {"result": result, "identical": not any(c["mismatches"] for c in result["configs"])}
+
+
+def logprob_drift(ctx: Context) -> dict:
+    """How far VeriCache's returned logprobs are from plain SGLang's, against plain SGLang's own
+    drift over a cached prefix (bench.logprob_drift), the tokens compared."""
+    if not ctx.size.logprob_drift:
+        return {"skipped": "this size runs no logprob drift (two more servers)",
+                "identical": None}
+    from bench import logprob_drift as drift
+
+    rows = drift.measure(ctx.model_dir)
+    return {"result": rows, "identical": all(r["same_tokens"] for r in rows)}
+
+
+def round_host_time(ctx: Context) -> dict:
+    """Host work per VeriCache round, timed inside the scheduler (bench.round_host_time), on
+    this checkout."""
+    s = ctx.size
+    if not s.host_time_configs:
+        return {"skipped": "this size times no rounds (a server per configuration)",
+                "identical": None}
+    from bench import round_host_time as host_time
+
+    rows = host_time.run(ctx.model_dir, list(s.host_time_configs),
+                         [w for w in s.workloads if w.startswith("code")], s.prompt_tokens,
+                         s.new_tokens)
+    return {"result": rows, "identical": None}
+
+
+def window_cap(ctx: Context) -> dict:
+    """What the drafting-window reserve's cap on running requests costs a larger batch
+    (bench.window_cap)."""
+    if ctx.size.window_cap_requests is None:
+        return {"skipped": "this size runs no window-cap comparison (two more servers)",
+                "identical": None}
+    from bench import window_cap as cap
+
+    return {"result": cap.run(ctx.model_dir, ctx.size.window_cap_requests, cap.PROMPT_TOKENS,
+                              ctx.size.new_tokens), "identical": None}
+
+
+def placement(ctx: Context) -> dict:
+    """The full KV on the host against on the device, every memory setting at its default
+    (bench.placement), outputs against plain SGLang's."""
+    if not ctx.size.placement:
+        return {"skipped": "this size runs no placement comparison (five more servers at "
+                "default memory)", "identical": None}
+    from bench import placement as bench_placement
+
+    rows = bench_placement.measure(ctx.model_dir, bench_placement.PROMPT_TOKENS,
+                                   ctx.size.new_tokens)
+    return {"result": rows, "identical": all(map(bench_placement.identical, rows))}
 
 
 def perfmodel(ctx: Context) -> dict:
@@ -289,12 +435,33 @@ def perfmodel(ctx: Context) -> dict:
 
 
 def remote_prefix(ctx: Context) -> dict:
-    return {"skipped": REMOTE_PREFIX, "identical": None}
+    """Time to the n-th token of requests over a stored prefix behind an emulated link, at each
+    rate: plain SGLang recomputing it, HiCache reading the full KV, VeriCache reading its coded
+    pages, and drafting on them early (bench.remote_prefix), every output against
+    recomputing's."""
+    from bench import remote_prefix as rp
+
+    s = ctx.size
+    if not s.remote_prefix_rates:
+        return {"skipped": "this size measures no remote prefix (five servers one after another "
+                "behind an emulated link): --size small runs it", "identical": None}
+    reason = rp.unavailable_reason()
+    if reason:
+        return {"skipped": REMOTE_PREFIX_UNAVAILABLE + reason, "identical": None}
+    record = rp.measure(rp.Settings(
+        model=str(ctx.model_dir), prefix_tokens=s.remote_prefix_tokens,
+        new_tokens=s.remote_prefix_new_tokens, mark_token=s.remote_prefix_mark,
+        rates_mbit=s.remote_prefix_rates, batch=s.remote_prefix_batches,
+        configs=REMOTE_PREFIX_CONFIGS))
+    return {"result": record, "identical": rp.identical(record)}
 
 
 SUITES: dict[str, Callable[[Context], dict]] = {
     "compressors": compressors, "drafting": drafting, "memory": memory, "codec": codec,
-    "serving": serving, "full_tier": full_tier, "perfmodel": perfmodel,
-    "remote_prefix": remote_prefix,
+    "store": store, "cpu_gemm": cpu_gemm, "device_check": device_check, "perfmodel": perfmodel,
+    "serving": serving, "spec_decode": spec_decode, "logprob_drift": logprob_drift,
+    "round_host_time": round_host_time, "full_tier": full_tier, "window_cap": window_cap,
+    "placement": placement, "remote_prefix": remote_prefix,
 }
-"""In run order: perfmodel reads drafting's and memory's results."""
+"""In run order: the suites without servers first; perfmodel reads drafting's and memory's
+results."""

@@ -9,6 +9,8 @@ reserve and to one told `--max-running-requests` as many as the batch, on the de
 included: a cap delays admission), output tokens per second, the cap, pool and reserve each
 server planned, and whether the outputs are equal.
 
+`python -m bench` runs it as its window_cap suite at its full size (`run` gives the figures).
+
     python -m bench.window_cap --requests 16 --prompt-tokens 600 --new-tokens 64
 """
 
@@ -33,6 +35,8 @@ FULL_KV_BYTES_PER_TOKEN = 46080
 HOST = [*COMMON, *VERICACHE, "--max-total-tokens", str(MAX_TOTAL_TOKENS),
         "--vericache-full-tier", "host",
         "--vericache-full-tier-budget", str(MAX_TOTAL_TOKENS * FULL_KV_BYTES_PER_TOKEN)]
+PROMPT_TOKENS = 600
+"""Each request's prompt (its default; `python -m bench` runs it at this length)."""
 MODULES = ["argparse", "difflib", "inspect", "typing", "textwrap", "heapq", "csv", "json.decoder",
            "bisect", "calendar", "fractions", "shlex", "string", "locale", "pprint", "random"]
 
@@ -53,41 +57,57 @@ def measure(model: Path, args: list[str], payloads: list[dict]) -> dict:
             "outputs": [a["output_ids"] for a in answers]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("bench.window_cap", __doc__)
-    cli.add_model(parser)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=600)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-    args = parser.parse_args(argv)
-    if args.requests > len(MODULES):
-        parser.error(f"--requests: at most {len(MODULES)} (one stdlib module each)")
-    model = cli.model_dir(args.model)
+def run(model: Path, requests: int, prompt_tokens: int, new_tokens: int) -> dict[str, dict]:
+    """The batch on a server with the default reserve and on one told to run every request of
+    it at once, by server."""
     tokenizer = AutoTokenizer.from_pretrained(model)
-    payloads = [request(stdlib_ids(tokenizer, module, args.prompt_tokens), args.new_tokens)
-                for module in MODULES[: args.requests]]
+    payloads = [request(stdlib_ids(tokenizer, module, prompt_tokens), new_tokens)
+                for module in MODULES[:requests]]
     configs = {"default reserve": HOST,
-               f"--max-running-requests {args.requests}": [
-                   *HOST, "--max-running-requests", str(args.requests)]}
+               f"--max-running-requests {requests}": [
+                   *HOST, "--max-running-requests", str(requests)]}
     results = {}
     for name, server_args in configs.items():
         cli.log(f"{name} ...")
         results[name] = measure(model, server_args, payloads)
         cli.log(f"{name}: {results[name]['seconds']:.1f} s")
+    return results
+
+
+def identical(results: dict[str, dict]) -> bool:
+    """Whether every server answered as the one with the default reserve did."""
+    base = results["default reserve"]["outputs"]
+    return all(r["outputs"] == base for r in results.values())
+
+
+def markdown(results: dict[str, dict]) -> str:
     base = results["default reserve"]
-    rows = [[name, r["max_running_requests"], r["compressed_pool_pages"],
-             f"{r['window_reserve_bytes'] / 2**20:.0f}", f"{r['seconds']:.1f}",
-             f"{r['tokens_per_second']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
-             "yes" if r["outputs"] == base["outputs"] else "NO"]
-            for name, r in results.items()]
-    print(table(["server", "running requests", "compressed pages", "window reserve MiB",
-                 "batch s", "output tok/s", "speed vs default", "same output"], rows))
+    return table(["server", "running requests", "compressed pages", "window reserve MiB",
+                  "batch s", "output tok/s", "speed vs default", "same output"],
+                 [[name, r["max_running_requests"], r["compressed_pool_pages"],
+                   f"{r['window_reserve_bytes'] / 2**20:.0f}", f"{r['seconds']:.1f}",
+                   f"{r['tokens_per_second']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
+                   "yes" if r["outputs"] == base["outputs"] else "NO"]
+                  for name, r in results.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("bench.window_cap", __doc__)
+    cli.add_model(parser)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.requests > len(MODULES):
+        parser.error(f"--requests: at most {len(MODULES)} (one stdlib module each)")
+    results = run(cli.model_dir(args.model), args.requests, args.prompt_tokens, args.new_tokens)
+    print(markdown(results))
     print(cli.invocation("bench.window_cap", argv))
     if args.out is not None:
         args.out.write_text(json.dumps({"command": cli.invocation("bench.window_cap", argv),
                                         "results": results}, indent=1))
-    return 0 if all(row[-1] == "yes" for row in rows) else 1
+    return 0 if identical(results) else 1
 
 
 if __name__ == "__main__":

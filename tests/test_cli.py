@@ -23,7 +23,7 @@ HOOK_MISSING = f"""
 import runpy, sys
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-from vericache_sglang import hooks
+from vericache_sglang.integration import hooks
 
 load_plugins()
 hooks.hook("{MISSING_TARGET}", lambda original, *a, **k: original(*a, **k), HookType.AROUND)

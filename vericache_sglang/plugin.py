@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang import hooks, startup, stores
+from vericache_sglang import startup, stores
 from vericache_sglang.config import (
     VeriCacheConfig,
     VeriCacheConfigError,
@@ -27,7 +27,9 @@ from vericache_sglang.config import (
 from vericache_sglang.cpu import hicache as cpu_hicache
 from vericache_sglang.cpu import lazy_kv, moe_gate, softcap
 from vericache_sglang.cpu.finder import install as install_cpu_support
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration import hooks
+from vericache_sglang.integration.hooks import hook
+from vericache_sglang.integration.internals import internal
 from vericache_sglang.speculative import configure as configure_spec
 from vericache_sglang.speculative import meta_info
 from vericache_sglang.speculative import register as register_spec
@@ -100,11 +102,15 @@ class _EngineServerArgs:
         return server_args
 
 
+ENGINE_ARGS_CLASS = internal("sglang.srt.entrypoints.engine.Engine", "server_args_class",
+                             "class attribute", __name__)
+
+
 def _accept_engine_kwargs() -> None:
     from sglang.srt.entrypoints.engine import Engine
 
-    if not isinstance(Engine.__dict__.get("server_args_class"), _EngineServerArgs):
-        Engine.server_args_class = _EngineServerArgs(Engine.server_args_class)
+    if not isinstance(Engine.__dict__.get(ENGINE_ARGS_CLASS.name), _EngineServerArgs):
+        ENGINE_ARGS_CLASS.wrap(Engine, _EngineServerArgs)
 
 
 def _cpu_engine() -> bool:
@@ -119,17 +125,17 @@ def _default_device(server_args: Any) -> None:
 
 def _configure(server_args: Any) -> None:
     """Set the SGLang arguments VeriCache's settings imply, before SGLang resolves them; stop
-    with one line if a hook VeriCache needs did not apply on this SGLang."""
-    if get_config(server_args).enable_vericache:
-        found = hooks.problems()
-        if found:
-            raise startup.error(found[0])
+    with one line if a hook or another SGLang internal VeriCache needs is missing here."""
     _default_device(server_args)
     configure_spec(server_args)
     placement.resolve(server_args)
     disk.configure(server_args)
     config = get_config(server_args)
     if config.enable_vericache:
+        stores.import_backend(server_args.hicache_storage_backend)
+        found = hooks.problems()
+        if found:
+            raise startup.error(found[0])
         problem = check_early_drafting(server_args, config)
         if problem is not None:
             raise startup.error(problem)

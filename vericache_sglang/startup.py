@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 
 DIED_TARGET = "sglang.srt.entrypoints.engine._scheduler_died_error"
 """Builds the error SGLang's launcher raises when a scheduler exits during initialization."""

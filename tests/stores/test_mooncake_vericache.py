@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +54,7 @@ from vericache_tools.mooncake_service import (
 )
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
+from vericache_tools.streaming import StreamingRequest
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
               pytest.mark.usefixtures("no_idle_servers")]
@@ -276,7 +276,8 @@ def test_a_loading_prefix_waits_beside_a_decoding_request(server_b, reference, p
     request keeps streaming; both answer plain SGLang's tokens."""
     server_b.flush_cache()
     before = _state(server_b)["early_drafting"]
-    decoding = _Decoding(server_b, prompts["running"])
+    decoding = StreamingRequest(server_b.url, _request(prompts["running"], RUNNING_TOKENS),
+                                first_timeout=300)
     sent = time.monotonic()
     out = server_b.generate(_request(prompts["question"]))
     answered = time.monotonic()
@@ -456,41 +457,14 @@ def test_a_corrupt_exact_part_during_early_drafting_is_recomputed(
     _ask_again(server_b, ids, reference["fault_drafting"]["output_ids"])
 
 
-class _Decoding:
-    """A request streaming its tokens in a thread: started, and once its first token came,
-    returned; `join()` gives its output and the times its tokens came."""
-
-    def __init__(self, server: ServerProcess, ids: list[int]) -> None:
-        self.times: list[float] = []
-        self.last: dict = {}
-        self._first = threading.Event()
-        self._thread = threading.Thread(target=self._stream, args=(server, ids))
-        self._thread.start()
-        assert self._first.wait(300), "the decoding request never streamed a token"
-
-    def _stream(self, server: ServerProcess, ids: list[int]) -> None:
-        request = {**_request(ids, RUNNING_TOKENS), "stream": True}
-        with requests.post(f"{server.url}/generate", json=request, stream=True,
-                           timeout=600) as response:
-            for line in response.iter_lines():
-                if line.startswith(b"data: {"):
-                    self.last = json.loads(line[len(b"data: "):])
-                    self.times.append(time.monotonic())
-                    self._first.set()
-        self._first.set()
-
-    def join(self) -> dict:
-        self._thread.join(timeout=600)
-        return self.last
-
-
 def test_a_corrupt_exact_part_while_another_request_decodes(
         server_b, fault_pages, demo_model, prompts, reference):
     ids = prompts["fault_bystander"]
     server_b.flush_cache()
     _corrupt(fault_pages, demo_model, ids)
     corrupt = _faults(server_b)[0]
-    decoding = _Decoding(server_b, prompts["running"])
+    decoding = StreamingRequest(server_b.url, _request(prompts["running"], RUNNING_TOKENS),
+                                first_timeout=300)
     out = server_b.generate(_request(ids))
     assert out["output_ids"] == reference["fault_bystander"]["output_ids"]
     assert decoding.join()["output_ids"] == reference["running"]["output_ids"]

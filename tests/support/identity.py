@@ -22,6 +22,7 @@ from vericache_sglang.speculative.meta_info import (
 )
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
+from vericache_tools.streaming import stream
 
 NEW_TOKENS = 48
 
@@ -186,8 +187,4 @@ def vericache_metrics(server: ServerProcess) -> dict[str, float]:
 
 def stream_chunks(server: ServerProcess, request: dict) -> list[dict]:
     """The chunks of `request` sent to /generate with streaming on."""
-    response = requests.post(f"{server.url}/generate", json={**request, "stream": True},
-                             stream=True, timeout=600)
-    response.raise_for_status()
-    return [json.loads(line[len(b"data: "):]) for line in response.iter_lines()
-            if line.startswith(b"data: {")]
+    return list(stream(server.url, request, timeout=600))

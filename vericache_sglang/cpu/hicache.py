@@ -17,10 +17,14 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.cpu import kvcacheio_shim
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
+from vericache_sglang.integration.internals import internal
 
 ALLOC_TARGET = "sglang.srt.mem_cache.pool_host.common.alloc_with_host_register"
 HOST_POOL_INIT = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost.__init__"
+TRANSFER_OPS = [internal("sglang.srt.mem_cache.pool_host.mha", name, "module attribute", __name__)
+                for name in kvcacheio_shim.IMPLEMENTED]
+"""The `sgl_kernel.kvcacheio` ops the MHA host pool's module imports only on CUDA/ROCm."""
 
 
 def _unpinned(original, *args: Any, **kwargs: Any):
@@ -31,9 +35,8 @@ def _unpinned(original, *args: Any, **kwargs: Any):
 def _bind_transfer_ops(pool, *args: Any, **kwargs: Any) -> None:
     """Give the host pool's module the transfer ops it imports only on CUDA/ROCm."""
     module = sys.modules[type(pool).__module__]
-    for name, op in kvcacheio_shim.IMPLEMENTED.items():
-        if not hasattr(module, name):
-            setattr(module, name, op)
+    for touch in TRANSFER_OPS:
+        touch.provide(module, kvcacheio_shim.IMPLEMENTED[touch.name])
 
 
 def _record_unpinned(result: None, pool, *args: Any, **kwargs: Any) -> None:

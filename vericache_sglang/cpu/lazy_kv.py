@@ -24,7 +24,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from torch.overrides import TorchFunctionMode
 
 from vericache_sglang.config import served_config
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 
 TARGET = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
 MIN_BYTES = 1 << 24

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 
 TARGET = "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul"
 

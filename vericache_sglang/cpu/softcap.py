@@ -19,7 +19,7 @@ from sglang.srt.plugins.hook_registry import HookType
 
 import vericache_kernels as kernels
 from vericache_sglang.attention.features import logit_cap, sliding_window, window_visible
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 
 BACKEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 EXTEND_TARGET = f"{BACKEND}.forward_extend"

@@ -22,7 +22,7 @@ from sglang.srt.speculative.spec_info import CustomSpecAlgo, SpeculativeAlgorith
 
 from vericache_sglang import startup
 from vericache_sglang.config import get_config
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 from vericache_sglang.speculative import parking, settle
 from vericache_sglang.speculative.drafter import check_draft_model
 

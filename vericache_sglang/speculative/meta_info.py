@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 
 READ_BYTES_KEY = "vericache_full_tier_read_bytes"
 """Full-KV bytes read from the host tier for the request: its prefix rows staged for its

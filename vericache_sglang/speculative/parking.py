@@ -31,7 +31,7 @@ import torch
 from sglang.srt.managers.schedule_batch import NextBatchPlan
 from sglang.srt.plugins.hook_registry import HookType
 
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
 from vericache_sglang.speculative.early import EarlyDrafting
 from vericache_sglang.stores.pending import PendingExact
 

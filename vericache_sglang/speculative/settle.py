@@ -22,7 +22,8 @@ from typing import Any
 from sglang.srt.plugins.hook_registry import HookType
 
 from vericache_sglang.config import get_config
-from vericache_sglang.hooks import hook
+from vericache_sglang.integration.hooks import hook
+from vericache_sglang.integration.internals import internal
 
 PROCESSOR = ("sglang.srt.managers.scheduler_components.batch_result_processor"
              ".SchedulerBatchResultProcessor")
@@ -31,6 +32,9 @@ REPORT_TARGET = ("sglang.srt.managers.scheduler_components.metrics_reporter"
                  ".SchedulerMetricsReporter.report_decode_stats")
 META_INFO_TARGET = ("sglang.srt.managers.tokenizer_manager.TokenizerManager"
                     "._calculate_spec_decoding_metrics")
+LOG_GAUGE = internal("sglang.srt.observability.metrics_collector.SchedulerMetricsCollector",
+                     "_log_gauge", "private call", __name__)
+"""How SGLang sets its accept-rate gauge (the same call its reporter makes)."""
 _UNSETTLED = "_vericache_tokens_past_the_end"
 """Tokens of this step's runs cut off by a finish, kept on the metrics reporter until its
 decode stats (the realtime token counter) are reported."""
@@ -82,7 +86,8 @@ def _report(original, reporter, can_run_cuda_graph, running_batch=None,
         reporter.stats.spec_accept_rate = correct / drafted
         if reporter.enable_metrics:
             collector = reporter.metrics_collector
-            collector._log_gauge(collector.spec_accept_rate, reporter.stats.spec_accept_rate)
+            LOG_GAUGE.call(collector, collector.spec_accept_rate,
+                           reporter.stats.spec_accept_rate)
     return result
 
 

@@ -6,6 +6,15 @@ BACKENDS = {"file": ("vericache_sglang.stores.file", "FileBackend"),
 """SGLang's built-in backend names VeriCache builds, and the classes that build them."""
 
 
+def import_backend(name: str | None) -> None:
+    """Import the store module SGLang will build for backend `name` (loading is lazy
+    otherwise), so that the SGLang internals it touches are declared for the startup check."""
+    import importlib
+
+    if name in BACKENDS:
+        importlib.import_module(BACKENDS[name][0])
+
+
 def register() -> None:
     """Have SGLang's storage factory build these names through VeriCache's classes, which
     give a server without VeriCache SGLang's own backend (the plugin calls this in every
@@ -14,7 +23,7 @@ def register() -> None:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.plugins.hook_registry import HookType
 
-    from vericache_sglang.hooks import hook
+    from vericache_sglang.integration.hooks import hook
 
     from .reloaded import BUFFER_LOAD_BACK, LOAD_BACK, install_reloaded_codes, install_staged_codes
 

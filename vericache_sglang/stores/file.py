@@ -41,12 +41,20 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from vericache_sglang.codec import StreamError
+from vericache_sglang.integration.internals import internal
 
 from .codec_worker import CodecTimeout
 from .pages import PageCoder, PageWindow, fault_kind, store_reads_auto, vericache_compressor
 from .state import StoreState, served_store_state
 
 logger = logging.getLogger(__name__)
+
+EVICTOR = internal("sglang.srt.mem_cache.hicache_storage.HiCacheFile", "_evictor",
+                   "private attribute", __name__, on_instances=True)
+ON_EVICT = internal("sglang.srt.mem_cache.storage.file.lru_file_evictor.LRUFileEvictor",
+                    "_on_evict", "instance wrap", __name__, on_instances=True)
+"""The file backend's eviction callback: a page its size cap evicts is counted as evicted, not
+lost (no eviction listener exists)."""
 
 DIGEST_BYTES = 16
 
@@ -78,8 +86,8 @@ class VeriCacheFileStorage(HiCacheFile):
         self._written: set[str] = set()
         self._written_lock = threading.Lock()
         # A page the size cap evicted is gone on purpose, not lost.
-        on_evict = self._evictor._on_evict
-        self._evictor._on_evict = lambda suffixed: self._evicted(suffixed, on_evict)
+        ON_EVICT.wrap(EVICTOR.get(self),
+                      lambda on_evict: lambda suffixed: self._evicted(suffixed, on_evict))
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)

@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 from vericache_sglang.codec import StreamCorrupt, StreamError
 from vericache_sglang.compress.quant import QuantTier
 from vericache_sglang.config import served_config
+from vericache_sglang.integration.internals import internal
 
 from .codec_worker import CodecTimeout
 from .leased_reads import LeasedReader
@@ -66,6 +67,13 @@ from .reconnect import build_or_reconnect
 from .state import StoreState, served_store_state
 
 logger = logging.getLogger(__name__)
+
+MOONCAKE_STORE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store.MooncakeStore"
+TAG_KEYS = internal(MOONCAKE_STORE, "_tag_keys", "private call", __name__)
+"""SGLang's keys as its Mooncake backend names them (model and rank tags): a coded page's
+objects are named beside them."""
+BATCH_EXIST = internal(MOONCAKE_STORE, "_batch_exist", "private call", __name__)
+"""One existence lookup for many objects, with the store's error codes."""
 
 FULL = -200
 """Mooncake's put code for a store without room: a later page may fit once the master
@@ -150,7 +158,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
     def _coded_keys(self, keys: list[str]) -> list[str]:
         """Each page's stream name; its objects are the name's `_d`, `_r` and `_x` forms
         (`_objects`)."""
-        return [f"{key}_{self.mha_suffix}_c" for key in self._tag_keys(keys)]
+        return [f"{key}_{self.mha_suffix}_c" for key in TAG_KEYS.call(self, keys)]
 
     @staticmethod
     def _objects(name: str) -> tuple[str, str, str]:
@@ -167,7 +175,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
 
     def _coded_hits(self, keys: list[str]) -> int:
         names = self._coded_keys(keys)
-        found = self._batch_exist([self._objects(name)[2] for name in names])
+        found = BATCH_EXIST.call(self, [self._objects(name)[2] for name in names])
         hits = next((i for i, f in enumerate(found) if f != 1), len(keys))
         if hits < len(keys) and found[hits] < 0:  # an error code: the store is unreachable
             self.state.stats.record("read_error", names[hits],
@@ -180,7 +188,7 @@ class VeriCacheMooncakeStore(MooncakeStore):
             return super().batch_set_v1(keys, host_indices, extra_info)
         page = self.mem_pool_host.page_size
         names = self._coded_keys(keys)
-        stored = self._batch_exist([self._objects(name)[2] for name in names])
+        stored = BATCH_EXIST.call(self, [self._objects(name)[2] for name in names])
         todo = [(name, host_indices[i * page].item()) for i, name in enumerate(names)
                 if stored[i] != 1]
         coded = self._window.run(self._encode, todo)

@@ -36,6 +36,12 @@ from typing import Any
 
 import torch
 
+from vericache_sglang.integration.internals import internal
+
+HOST_FREE = internal("sglang.srt.mem_cache.pool_host.base.HostKVCache", "free", "instance wrap",
+                     __name__)
+"""The host pool's free, where every host free of SGLang 0.5.23 ends: no free listener exists."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -120,13 +126,14 @@ class PendingExact:
         self.host_pool = host_pool
         self._kv_of = kv_of
         self.deadline = deadline
-        free = host_pool.free
 
-        def free_and_forget(indices: torch.Tensor) -> int:
-            self.host_freed(indices)
-            return free(indices)
+        def free_and_forget(free: Callable[[torch.Tensor], int]) -> Callable[[torch.Tensor], int]:
+            def wrapped(indices: torch.Tensor) -> int:
+                self.host_freed(indices)
+                return free(indices)
+            return wrapped
 
-        host_pool.free = free_and_forget
+        HOST_FREE.wrap(host_pool, free_and_forget)
         self.enabled = True
 
     def _drop(self, entry_id: int) -> None:

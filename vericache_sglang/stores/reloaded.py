@@ -28,11 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
+from vericache_sglang.integration.internals import internal
 
 if TYPE_CHECKING:
     from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
 logger = logging.getLogger(__name__)
+
+PIPELINE_CACHE = internal("sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline",
+                          "_cache", "private attribute", __name__, on_instances=True)
+"""The radix cache a buffer-mode pipeline loads back into (its page size)."""
 
 LOAD_BACK = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.load_back"
 BUFFER_LOAD_BACK = ("sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline"
@@ -171,7 +176,7 @@ def install_staged_codes(result: tuple[Any, str], pipeline: Any, req: Any, stage
     if load is None or not len(reloaded):
         return None
     slots = load.device_indices
-    page_size = pipeline._cache.page_size
+    page_size = PIPELINE_CACHE.get(pipeline).page_size
     head = (len(staged.host_indices) - slots.numel()) // page_size
     pages = slots.numel() // page_size
     keys = staged.hash_values[head:head + pages]

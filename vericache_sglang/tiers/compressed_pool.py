@@ -29,6 +29,10 @@ import torch
 import vericache_kernels as kernels
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import KiviQuantizer, QuantTier
+from vericache_sglang.integration.internals import internal
+
+ALLOCATOR = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
+PAGED_ALLOCATOR = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +305,12 @@ def pool_pages(compressor: KiviQuantizer, max_total_tokens: int) -> int:
     return math.ceil(groups * (1 + SPLIT_PAGE_SHARE))
 
 
+ALLOCATOR_FREE = internal(ALLOCATOR, "free", "instance wrap", __name__)
+ALLOCATOR_CLEAR = internal(ALLOCATOR, "clear", "instance wrap", __name__)
+ALLOCATOR_FREE_PAGES = internal(PAGED_ALLOCATOR, "free_page_ids", "instance wrap", __name__)
+"""The token allocator's frees: no free listener exists (docs/sglang-hooks.md)."""
+
+
 def follow_frees(allocator, freed: Callable[[torch.Tensor], None],
                  cleared: Callable[[], None]) -> None:
     """Call `freed(slots)` for every device slot SGLang's `allocator` frees, and `cleared()`
@@ -309,31 +319,36 @@ def follow_frees(allocator, freed: Callable[[torch.Tensor], None],
     allocator's `free_segment` (a finished request's row, a tree node's eviction) and its free
     groups release pages through it without calling `free`. A paged allocator frees the whole
     page of any slot it is given, so every slot of those pages counts as freed."""
-    free, clear = allocator.free, allocator.clear
     page_size = getattr(allocator, "page_size", 1)
 
     def slots_of_pages(page_ids: torch.Tensor) -> torch.Tensor:
         offsets = torch.arange(page_size, device=page_ids.device)
         return (page_ids.to(torch.int64)[:, None] * page_size + offsets).flatten()
 
-    def free_both(free_index: torch.Tensor) -> None:
-        if allocator.free_group is None:  # a group's frees come back here at its end
-            freed(free_index if page_size == 1 else
-                  slots_of_pages(torch.unique(free_index // page_size)))
-        free(free_index)
+    def free_both(free: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def wrapped(free_index: torch.Tensor) -> None:
+            if allocator.free_group is None:  # a group's frees come back here at its end
+                freed(free_index if page_size == 1 else
+                      slots_of_pages(torch.unique(free_index // page_size)))
+            free(free_index)
+        return wrapped
 
-    def clear_both() -> None:
-        cleared()
-        clear()
+    def clear_both(clear: Callable[[], None]) -> Callable[[], None]:
+        def wrapped() -> None:
+            cleared()
+            clear()
+        return wrapped
 
-    allocator.free, allocator.clear = free_both, clear_both
-    if page_size > 1:
-        free_page_ids = allocator.free_page_ids
-
-        def free_pages_both(page_ids: torch.Tensor) -> None:
+    def free_pages_both(free_page_ids: Callable[[torch.Tensor], None]
+                        ) -> Callable[[torch.Tensor], None]:
+        def wrapped(page_ids: torch.Tensor) -> None:
             # In a free group the ids wait for `free_group_end`, which releases them
             # without coming back here: their slots are the owner's no more either way.
             freed(slots_of_pages(page_ids))
             free_page_ids(page_ids)
+        return wrapped
 
-        allocator.free_page_ids = free_pages_both
+    ALLOCATOR_FREE.wrap(allocator, free_both)
+    ALLOCATOR_CLEAR.wrap(allocator, clear_both)
+    if page_size > 1:
+        ALLOCATOR_FREE_PAGES.wrap(allocator, free_pages_both)

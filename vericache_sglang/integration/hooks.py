@@ -17,10 +17,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from vericache_sglang.integration import internals
+
 logger = logging.getLogger(__name__)
 
 PINNED_SGLANG = "0.5.23"
 """The SGLang release VeriCache's hooks are written against (pyproject.toml pins it)."""
+
+PATCHED = internals.internal("sglang.srt.plugins.hook_registry.HookRegistry", "_patched",
+                             "private attribute", __name__)
+"""The targets HookRegistry patched: it keeps them there and nowhere else."""
 
 _TARGETS: dict[str, str] = {}
 """Target -> the VeriCache module that hooks it."""
@@ -58,8 +64,8 @@ def problems() -> list[str]:
         logger.warning("VeriCache is built for SGLang %s; this is SGLang %s",
                        PINNED_SGLANG, installed)
     found = [f"VeriCache's plugin failed to register ({failure})" for failure in _FAILURES]
-    # HookRegistry keeps the targets it patched in `_patched` and nowhere else.
-    patched = HookRegistry._patched  # noqa: SLF001
+    found += internals.problems()
+    patched = PATCHED.get(HookRegistry)
     found += [f"SGLang {installed} has no {target} to hook (VeriCache is built for "
               f"{PINNED_SGLANG}; {module} needs it: see docs/sglang-hooks.md)"
               for target, module in _TARGETS.items() if target not in patched]
