@@ -5,6 +5,12 @@ which understates acceptance when the draft length adapts; these counters are ex
 come from `rate()` over them: acceptance = accepted_drafts / drafted_tokens, tokens per round
 (E) = emitted_tokens / verify_rounds. Created in the scheduler process only with
 `--enable-metrics` (SGLang's multiprocess registry then exports them).
+
+The store's counts are running totals kept by the store's own objects (`stores.state`), which
+`/server_info` shows too; each step adds what they grew by to the counters here. Not a custom
+prometheus_client collector reading them at scrape time: SGLang serves `/metrics` from its HTTP
+process through `MultiProcessCollector`, which exports only what Counter and Gauge values wrote
+to the multiprocess directory; a collector registered in the scheduler process is never read.
 """
 
 from __future__ import annotations
@@ -151,32 +157,32 @@ class VeriCacheMetrics:
         self.store_reconnect_failures = counter(
             "store_reconnect_failures", "Of those, attempts that failed (each logged at "
             "WARNING; the store serves misses meanwhile).")
-        self._store_seen: dict[str, float] = {}
+        self._store_seen: dict[Any, float] = {}
 
-    def record_store(self, snapshot: dict, totals: dict[str, int],
-                     link_mbit: float = 0.0) -> None:
-        """Bring the store counters up to the storage backend's running counts
-        (`stores.pages.StoreStats.snapshot`) and `totals`, running counts by the name of
-        their counter (`store_reads_declined`, `reloaded_pages_installed`, ...: see
+    def _grown(self, key: Any, total: float) -> float:
+        """How much the running total `key` grew since the last step (0 if it did not)."""
+        step = total - self._store_seen.get(key, 0)
+        if step > 0:
+            self._store_seen[key] = total
+        return max(step, 0)
+
+    def record_store(self, faults: dict[str, int], io: dict[tuple[str, str, str], float],
+                     totals: dict[str, int], link_mbit: float = 0.0) -> None:
+        """Bring the store counters up to the store's running totals (`faults` by kind, `io`
+        by (direction, form, unit): `stores.pages.StoreStats.totals`) and `totals`, running
+        counts by the name of their counter (`store_reads_declined`, ...: see
         `speculative.statistics`), and set the link's measured rate."""
         if link_mbit:
             self.store_link_mbit.set(link_mbit)
         for name, total in totals.items():
-            step = total - self._store_seen.get(name, 0)
-            if step > 0:
-                self._store_seen[name] = total
+            if step := self._grown(name, total):
                 getattr(self, name).inc(step)
-        running = {f"fault_{kind}": n for kind, n in snapshot["faults"].items()}
-        running.update(snapshot["io"])
-        for name, total in running.items():
-            step = total - self._store_seen.get(name, 0)
-            if step <= 0:
+        for kind, total in faults.items():
+            if step := self._grown(("fault", kind), total):
+                self.disk_faults.labels(**self._labels, kind=kind).inc(step)
+        for (direction, form, unit), total in io.items():
+            if not (step := self._grown((direction, form, unit), total)):
                 continue
-            self._store_seen[name] = total
-            if name.startswith("fault_"):
-                self.disk_faults.labels(**self._labels, kind=name[6:]).inc(step)
-                continue
-            direction, form, unit = name.split("_", 2)
             if unit == "seconds":
                 self.store_codec_seconds.labels(**self._labels, direction=direction).inc(step)
             else:

@@ -68,7 +68,7 @@ class WorkerStats:
                              plain_decode_steps=len(verified) - rounds), compressed_pages)
         if self.metrics is not None:
             store = self.store
-            self.metrics.record_store(store.stats.snapshot(), {
+            self.metrics.record_store(*store.stats.totals(), {
                 "store_reads_declined": store.admission.declined_pages,
                 "store_read_probes": store.admission.probes,
                 "reloaded_pages_installed": store.reloaded.installed,

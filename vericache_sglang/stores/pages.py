@@ -56,7 +56,9 @@ class StoreStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.faults: Counter[str] = Counter()
-        self.io: Counter[str] = Counter()
+        self.io: Counter[tuple[str, str, str]] = Counter()
+        """(direction, form, unit) -> running total; form `kv` is the host pool's bytes of
+        those pages, form `codec` the seconds spent coding them."""
 
     def record(self, kind: str, key: str, detail: str) -> None:
         with self._lock:
@@ -71,15 +73,20 @@ class StoreStats:
         """One page `direction` ('written' or 'read') in `form`: `stored` bytes in the store
         for `kv` bytes of KV in the host pool."""
         with self._lock:
-            self.io[f"{direction}_{form}_pages"] += 1
-            self.io[f"{direction}_{form}_bytes"] += stored
-            self.io[f"{direction}_kv_bytes"] += kv
-            self.io[f"{direction}_codec_seconds"] += seconds
+            self.io[direction, form, "pages"] += 1
+            self.io[direction, form, "bytes"] += stored
+            self.io[direction, "kv", "bytes"] += kv
+            self.io[direction, "codec", "seconds"] += seconds
+
+    def totals(self) -> tuple[dict[str, int], dict[tuple[str, str, str], float]]:
+        """The running totals: faults by kind, and io by (direction, form, unit)."""
+        with self._lock:
+            return {kind: self.faults[kind] for kind in FAULT_KINDS}, dict(self.io)
 
     def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"faults": {kind: self.faults[kind] for kind in FAULT_KINDS},
-                    "io": dict(self.io)}
+        """The totals as `/server_info` shows them (io as `direction_form_unit`)."""
+        faults, io = self.totals()
+        return {"faults": faults, "io": {"_".join(key): n for key, n in io.items()}}
 
 
 class PageCoder:
