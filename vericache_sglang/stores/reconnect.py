@@ -21,6 +21,7 @@ naming the store and the cause; on a later attempt it is logged at ERROR and the
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import threading
@@ -28,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
 from vericache_sglang import startup
@@ -203,64 +203,6 @@ class ReconnectingStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         self._pools_done = True
 
-    # -- lookups are misses, writes fail, until the store is reached --------------------
-    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        backend = self._live()
-        return backend.batch_exists(keys, extra_info) if backend else 0
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: Any = None) -> PoolTransferResult:
-        backend = self._live()
-        return (backend.batch_exists_v2(keys, pool_transfers, extra_info) if backend
-                else PoolTransferResult.empty())
-
-    def exists(self, key: str) -> bool:
-        backend = self._live()
-        return backend.exists(key) if backend else False
-
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
-        backend = self._live()
-        return (backend.batch_get_v1(keys, host_indices, extra_info) if backend
-                else [False] * len(keys))
-
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: Any = None) -> list[bool]:
-        backend = self._live()
-        return (backend.batch_set_v1(keys, host_indices, extra_info) if backend
-                else [False] * len(keys))
-
-    def batch_get_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
-        backend = self._live()
-        return (backend.batch_get_v2(transfers, extra_info) if backend
-                else {t.name: [False] * len(t.keys) for t in transfers})
-
-    def batch_set_v2(self, transfers: list, extra_info: Any = None) -> dict[str, list[bool]]:
-        backend = self._live()
-        return (backend.batch_set_v2(transfers, extra_info) if backend
-                else {t.name: [False] * len(t.keys) for t in transfers})
-
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
-        backend = self._live()
-        return backend.get(key, target_location, target_sizes) if backend else None
-
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> Any:
-        backend = self._live()
-        return (backend.batch_get(keys, target_locations, target_sizes) if backend
-                else [None] * len(keys))
-
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
-        backend = self._live()
-        return backend.set(key, value, target_location, target_sizes) if backend else False
-
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
-        backend = self._live()
-        return (backend.batch_set(keys, values, target_locations, target_sizes) if backend
-                else False)
-
     def clear(self) -> None:
         if self._backend is not None:
             self._backend.clear()
@@ -271,3 +213,46 @@ class ReconnectingStore(HiCacheStorage):
     def close(self) -> None:
         if self._backend is not None and hasattr(self._backend, "close"):
             self._backend.close()
+
+
+def _no_keys(keys: list, *args: Any, **kwargs: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _no_transfers(transfers: list, *args: Any, **kwargs: Any) -> dict[str, list[bool]]:
+    return {t.name: [False] * len(t.keys) for t in transfers}
+
+
+UNREACHABLE_ANSWERS: dict[str, Callable[..., Any]] = {
+    "batch_exists": lambda *args, **kwargs: 0,
+    "batch_exists_v2": lambda *args, **kwargs: PoolTransferResult.empty(),
+    "exists": lambda *args, **kwargs: False,
+    "batch_get_v1": _no_keys,
+    "batch_set_v1": _no_keys,
+    "batch_get_v2": _no_transfers,
+    "batch_set_v2": _no_transfers,
+    "get": lambda *args, **kwargs: None,
+    "batch_get": lambda keys, *args, **kwargs: [None] * len(keys),
+    "set": lambda *args, **kwargs: False,
+    "batch_set": lambda *args, **kwargs: False,
+}
+"""SGLang's storage calls, each with what it answers while the store is unreachable (called
+with the call's arguments): lookups miss, reads and writes fail. Once the store is reached, the
+call goes to the real backend."""
+
+
+def _to_backend(name: str, unreachable: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: ReconnectingStore, *args: Any, **kwargs: Any) -> Any:
+        backend = self._live()
+        if backend is None:
+            return unreachable(*args, **kwargs)
+        return getattr(backend, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"The real backend's `{name}`, or the unreachable store's answer."
+    return call
+
+
+for _name, _answer in UNREACHABLE_ANSWERS.items():
+    setattr(ReconnectingStore, _name, _to_backend(_name, _answer))
+abc.update_abstractmethods(ReconnectingStore)
