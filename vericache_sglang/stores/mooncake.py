@@ -117,7 +117,8 @@ class MooncakeBackend(MooncakeStore):
 
 
 class VeriCacheMooncakeStore(MooncakeStore):
-    """SGLang's Mooncake backend storing each page as one coded object."""
+    """SGLang's Mooncake backend storing each page as one coded stream in three objects
+    (coarse, refinement, exact: `_objects`)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, mem_pool: Any, state: StoreState,
                  compressor: str = "kivi:bits=4") -> None:
