@@ -101,17 +101,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: first[item.module])
 
 
-@pytest.fixture(scope="module")
-def plain_server(demo_model: Path, servers) -> ServerProcess:
-    """Plain SGLang, float32: the reference every VeriCache output must equal."""
-    return servers(ServerSpec.of(demo_model, PLAIN_ARGS))[0]
+@pytest.fixture(scope="session")
+def plain_server(demo_model: Path, server_pool: ServerPool) -> Iterator[ServerProcess]:
+    """Plain SGLang, float32: the reference every VeriCache output must equal. Held from its
+    first use to the end of the session (its modules run last), so its answers stay valid for
+    the session's remembered references (`tests/speculative/conftest.py`, `plain`)."""
+    with server_pool.hold(ServerSpec.of(demo_model, PLAIN_ARGS)) as (server,):
+        yield server
 
 
-@pytest.fixture(scope="module")
-def vericache_server(demo_model: Path, servers) -> ServerProcess:
+@pytest.fixture(scope="session")
+def vericache_server(demo_model: Path, server_pool: ServerPool) -> Iterator[ServerProcess]:
     """The demo model served in float32 with VeriCache (`VERICACHE_HOST_ARGS`: 4-bit KIVI,
-    draft length adapting from 16, the full KV in host memory)."""
-    return servers(ServerSpec.of(demo_model, VERICACHE_HOST_ARGS))[0]
+    draft length adapting from 16, the full KV in host memory), held from its first use to the
+    end of the session."""
+    with server_pool.hold(ServerSpec.of(demo_model, VERICACHE_HOST_ARGS)) as (server,):
+        yield server
 
 
 @pytest.fixture(scope="session")
