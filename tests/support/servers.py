@@ -100,7 +100,6 @@ class ServerPool:
 
     budget: int = field(default_factory=memory_budget)
     _entries: OrderedDict[ServerSpec, _Entry] = field(default_factory=OrderedDict)
-    starts: int = 0
 
     @contextmanager
     def hold(self, *specs: ServerSpec) -> Iterator[list[ServerProcess]]:
@@ -118,7 +117,6 @@ class ServerPool:
             raise failed[0]
         for spec, server in started.items():
             self._entries[spec] = _Entry(server, server.rss_bytes())
-            self.starts += 1
         entries = [self._entries[spec] for spec in specs]
         for spec, entry in zip(specs, entries, strict=True):
             entry.holders += 1

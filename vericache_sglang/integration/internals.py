@@ -7,8 +7,9 @@ attributes SGLang's classes define are checked at startup with the hooks (`hooks
 so an upgrade that renames one stops the server with one line instead of failing on a request.
 An attribute SGLang sets in `__init__` (a callback slot) can only be checked on the object: it
 is checked when touched, which is while the server starts too (the object is built then), and
-raises `InternalMissing`, a startup error of one line. docs/sglang-hooks.md lists them all
-(tests/test_hooks.py keeps the page and this registry equal).
+raises `InternalMissing`, whose message names the attribute and the module that needs it.
+docs/sglang-hooks.md lists them all (tests/test_hooks.py keeps the page and this registry
+equal).
 """
 
 from __future__ import annotations
