@@ -7,7 +7,8 @@ level, next to the baselines: the bf16 KV itself, KIVI-4 packed codes with their
 (the compressed pool's pages, measured from their tensors), zstd of the bf16 byte planes,
 bf16 plus int4 stored side by side, and zstd-19 of the float32 byte planes (the float32 KV's
 plain lossless size, per 4-byte element). Encode and decode speeds are MB of KV (in its own dtype)
-per second on one core.
+per second on one core; beside each level's decode speed, the MB of KV per second that 0.2, 1
+and 10 Gbit/s links deliver at that level's bytes.
 
     python -m bench.codec --tokens 2048 --write-docs docs/codec.md
 """
@@ -27,7 +28,7 @@ from vericache_sglang import models
 from vericache_sglang.codec import CodecSpec, decode_chunk, encode
 from vericache_sglang.codec.chunk import EXACT_PLANES
 from vericache_sglang.codec.exact import encode_planes
-from vericache_sglang.codec.stream import read_parts, unpack_sections
+from vericache_sglang.codec.stream import read_parts, unpack_all
 from vericache_sglang.compress import parse_compressor_spec
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
@@ -35,6 +36,8 @@ from vericache_tools.hf_eval import load_model, prefill
 from vericache_tools.prompts import file_ids
 
 SECTION = "codec"
+LINKS = (0.2, 1.0, 10.0)
+"""Link rates (Gbit/s) whose delivery of each level the decode speeds stand beside."""
 DEFAULT_FILES = ["argparse.py", "difflib.py", "/usr/share/common-licenses/GPL-3"]
 
 
@@ -67,11 +70,12 @@ def baselines(keys: torch.Tensor, values: torch.Tensor, compressor) -> dict[str,
 
 def measure(model, tokenizer, files: list[str], tokens: int, chunk: int = 256,
             compressor: str = "kivi:bits=4,group=32", coarse: tuple[int, int] = (4, 2),
-            groupings: tuple[str, ...] = ("channel", "kind")) -> dict:
-    """Each figure of the table (bytes per element, speeds, the time of a chunk against a
-    1 Gbit/s link's) per table grouping, the mean over `files`' prompts, by label; and how
-    many layers' exact parts were coded as residuals or as byte planes, per dtype. Runs on one
-    thread (speeds are per core)."""
+            groupings: tuple[str, ...] = ("channel", "kind"), lane_channels: int = 16) -> dict:
+    """Each figure of the table (bytes per element, encode speed, each level's decode speed
+    and time per chunk beside what 0.2, 1 and 10 Gbit/s links deliver of it) per table
+    grouping, the mean over `files`' prompts, by label; and how many layers' exact parts were
+    coded as residuals or as byte planes, per dtype. Runs on one thread (speeds are per
+    core)."""
     pool = parse_compressor_spec(compressor)
     layers = model.config.num_hidden_layers
     sums: dict[str, list[float]] = defaultdict(list)
@@ -89,20 +93,20 @@ def measure(model, tokenizer, files: list[str], tokens: int, chunk: int = 256,
                 mb = k.numel() * 2 * k.element_size() / 1e6
                 for grouping in groupings:
                     spec = CodecSpec.for_compressor(pool, layers, tables=grouping,
-                                                    chunk_tokens=chunk, coarse=coarse)
+                                                    chunk_tokens=chunk, coarse=coarse,
+                                                    lane_channels=lane_channels)
                     began = time.perf_counter()
                     streams = encode(k, v, spec, key=b"bench")
                     encode_s = time.perf_counter() - began
                     keys_of = [b"bench" + (i * chunk).to_bytes(8, "little")
                                for i in range(len(streams))]
-                    began = time.perf_counter()
-                    for stream, key in zip(streams, keys_of, strict=True):
-                        decode_chunk(stream, key=key)
-                    decode_s = time.perf_counter() - began
-                    began = time.perf_counter()
-                    for stream, key in zip(streams, keys_of, strict=True):
-                        decode_chunk(stream, level=0, key=key)
-                    coarse_s = time.perf_counter() - began
+                    levels = len(spec.levels)
+                    decode_s = []
+                    for level in [*range(levels), None]:
+                        began = time.perf_counter()
+                        for stream, key in zip(streams, keys_of, strict=True):
+                            decode_chunk(stream, level=level, key=key)
+                        decode_s.append(time.perf_counter() - began)
                     parts = defaultdict(int)
                     for stream, key in zip(streams, keys_of, strict=True):
                         header, chunk_parts = read_parts(stream, key=key)
@@ -110,8 +114,9 @@ def measure(model, tokenizer, files: list[str], tokens: int, chunk: int = 256,
                         for p, length in enumerate(header.part_lengths):
                             cumulative += length
                             parts[p] += cumulative
-                        for section in unpack_sections(chunk_parts[-1], layers):
-                            kind = "planes" if section[0] == EXACT_PLANES else "residual"
+                        # the exact part's first section: each layer's mode
+                        for mode in bytes(unpack_all(chunk_parts[-1])[0]):
+                            kind = "planes" if mode == EXACT_PLANES else "residual"
                             modes[f"{str(dtype).removeprefix('torch.')} {kind}"] += 1
                     names = [f"level {i} ({'/'.join(map(str, sorted(set(lv))))} bits)"
                              for i, lv in enumerate(spec.levels[:-1])]
@@ -121,18 +126,19 @@ def measure(model, tokenizer, files: list[str], tokens: int, chunk: int = 256,
                     for p, label in enumerate(names):
                         sums[f"{tag}: {label}"].append(parts[p] / elements)
                     sums[f"{tag}: encode MB/s"].append(mb / encode_s)
-                    sums[f"{tag}: decode exact MB/s"].append(mb / decode_s)
-                    sums[f"{tag}: decode level 0 MB/s"].append(mb / coarse_s)
-                    # a chunk's decode time against a 1 Gbit/s link's time to deliver its bytes
-                    chunks = len(streams)
-                    sums[f"{tag}: decode exact ms per chunk"].append(decode_s / chunks * 1e3)
-                    sums[f"{tag}: 1 Gbit/s delivery of the whole stream, ms per chunk"].append(
-                        parts[len(names) - 1] * 8 / 1e9 / chunks * 1e3)
-                    sums[f"{tag}: decode level 0 ms per chunk"].append(coarse_s / chunks * 1e3)
-                    sums[f"{tag}: 1 Gbit/s delivery of level 0, ms per chunk"].append(
-                        parts[0] * 8 / 1e9 / chunks * 1e3)
+                    # each level's decode speed beside what links deliver of it: MB of KV per
+                    # second, a link's bytes per second over the level's bytes per KV byte
+                    for p, label in enumerate(names):
+                        short = label.split(" (")[0]
+                        sums[f"{tag}: {short}: decode MB/s"].append(mb / decode_s[p])
+                        sums[f"{tag}: {short}: decode ms per chunk"].append(
+                            decode_s[p] / len(streams) * 1e3)
+                        for gbit in LINKS:
+                            sums[f"{tag}: {short}: {gbit:g} Gbit/s delivers MB/s"].append(
+                                gbit * 1e9 / 8 / 1e6 * mb * 1e6 / parts[p])
                     cli.log(f"  {tag}: exact {parts[len(names) - 1] / elements:.3f} B/elem, "
-                            f"encode {mb / encode_s:.1f} MB/s, decode {mb / decode_s:.1f} MB/s")
+                            f"encode {mb / encode_s:.1f} MB/s, decode exact "
+                            f"{mb / decode_s[-1]:.1f} MB/s, level 0 {mb / decode_s[0]:.1f} MB/s")
     return {"files": list(files), "tokens": tokens, "chunk": chunk,
             "means": {label: statistics.mean(values) for label, values in sums.items()},
             "exact_modes": dict(sorted(modes.items()))}
@@ -160,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
                         "layers, LATE for the rest (default: %(default)s)")
     parser.add_argument("--tables", nargs="+", default=["channel", "kind"],
                         help="table groupings to compare")
+    parser.add_argument("--lane-channels", type=int, default=16,
+                        help="channels per rANS lane (default: %(default)s)")
     parser.add_argument("--write-docs", type=Path, default=None,
                         help="markdown file whose codec section gets the table")
     args = parser.parse_args(argv)
     coarse = tuple(int(b) for b in args.coarse.split(","))
     model, tokenizer = load_model(models.prepare().target)
     table = markdown(measure(model, tokenizer, args.files, args.tokens, args.chunk,
-                             args.compressor, coarse, tuple(args.tables)))
+                             args.compressor, coarse, tuple(args.tables),
+                             args.lane_channels))
     print(table)
     if args.write_docs:
         command = cli.invocation("bench.codec", argv)

@@ -15,6 +15,10 @@ OUT_DIR/device_check.txt at the end):
   dense bf16 attention (torch SDPA), at a model's geometry on random data, by context and batch;
 - copy: the host tier's copy engine, host-to-device GB/s layer by layer, and the share of that
   copy hidden behind a stream running draft-step attention;
+- codec: the KV codec's rANS lane decoders (`vericache_kernels.rans_triton`) against the numba
+  ones (`rans_cpu`, one core) on the same streams of a chunk of the demo model's geometry
+  (random KV, bf16 and float32), every part bit for bit, and each part's decode time on both
+  (on a CPU: the numpy reference at toy size, no timing);
 - model: `vericache_tools.perfmodel`'s prediction next to each measured figure.
 On a CPU the kernel section compares the CPU kernel with the reference instead (no Triton).
 """
@@ -419,6 +423,89 @@ def compare_model(device: torch.device, small: bool, sections: dict) -> dict:
             "table": perfmodel.table(geometry, measured, workloads)}
 
 
+def check_codec(device: torch.device, small: bool) -> dict:
+    """Each part of a chunk's stream (30 layers, 256 tokens, 3 KV heads of 64: the demo model's
+    geometry; 2 layers of 32 tokens when `small`) decoded by the numba lanes on one core and by
+    the Triton kernels (the numpy reference on a CPU), compared bit for bit and timed."""
+    import numpy as np
+
+    from vericache_kernels import rans_cpu, rans_ref
+    from vericache_sglang.codec import CodecSpec, encode_chunk
+    from vericache_sglang.codec.chunk import Geometry, decode_meta, exact_lanes, level_lanes
+    from vericache_sglang.codec.stream import read_parts, unpack_sections
+    from vericache_sglang.compress import parse_compressor_spec
+
+    layers, tokens = (2, 32) if small else (30, 256)
+    gen = torch.Generator().manual_seed(0)
+    spread = 1 + 4 * torch.rand(layers, 1, 3, 64, generator=gen)
+    rows = []
+    with torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float32):
+            keys = (torch.randn(layers, tokens, 3, 64, generator=gen) * spread).to(dtype)
+            values = torch.randn(layers, tokens, 3, 64, generator=gen).to(dtype)
+            spec = CodecSpec.for_compressor(parse_compressor_spec("kivi:bits=4"), layers)
+            header, parts = read_parts(encode_chunk(keys, values, spec))
+            geo = Geometry(header)
+            codes = np.zeros((layers, 2, geo.codes), dtype=np.uint8)
+            sections0 = unpack_sections(parts[0], 4)
+            mb = keys.numel() * 2 * keys.element_size() / 1e6
+            for index in range(len(header.levels) + 1):
+                row = {"dtype": str(dtype).removeprefix("torch."),
+                       "part": f"level {index}" if index < len(header.levels) else "exact"}
+                if index < len(header.levels):
+                    sections = sections0[1:] if index == 0 else unpack_sections(parts[index], 3)
+                    args = level_lanes(geo, sections, index, codes)
+                    before = codes.copy()
+                    began = time.perf_counter()
+                    assert rans_cpu.decode_level(*args)
+                    row["cpu_ms"] = (time.perf_counter() - began) * 1e3
+                    want = codes.copy()
+                    got = before.copy()
+                    if device.type == "cuda":
+                        from vericache_kernels import rans_triton
+
+                        def level(got=got, args=args) -> torch.Tensor:
+                            on = torch.from_numpy(got).to(device)
+                            assert rans_triton.decode_level_triton(*args[:7], on, *args[8:])
+                            return on
+                        row["gpu_ms"] = timed(level, device, 3) * 1e3
+                        got = level().cpu().numpy()
+                    else:
+                        assert rans_ref.decode_level_ref(*args[:7], got, *args[8:])
+                    row["equal"] = bool(np.array_equal(got, want))
+                else:
+                    out = np.zeros((2 * layers, geo.codes), dtype=np.int64)
+                    args, _ = exact_lanes(geo, parts[-1], codes, decode_meta(sections0[0], geo),
+                                          out)
+                    words, starts, exp_cum, residual, c, scales, zeros, model, *rest = args
+                    began = time.perf_counter()
+                    assert rans_cpu.decode_exact(words, starts, exp_cum, residual, c, scales,
+                                                 zeros, *model, *rest)
+                    row["cpu_ms"] = (time.perf_counter() - began) * 1e3
+                    got = np.zeros_like(out)
+                    if device.type == "cuda":
+                        from vericache_kernels import rans_triton
+
+                        def exact(args=args, shape=out.shape, pool=codes) -> torch.Tensor:
+                            on = torch.zeros(shape, dtype=torch.int64, device=device)
+                            assert rans_triton.decode_exact_triton(
+                                *args[:4], torch.from_numpy(pool).to(device), *args[5:-1], on)
+                            return on
+                        row["gpu_ms"] = timed(exact, device, 3) * 1e3
+                        got = exact().cpu().numpy()
+                    else:
+                        assert rans_ref.decode_exact_ref(*args[:-1], got)
+                    row["equal"] = bool(np.array_equal(got[np.repeat(np.isin(
+                        np.arange(layers), residual), 2)], out[np.repeat(np.isin(
+                            np.arange(layers), residual), 2)]))
+                row["cpu_mb_s"] = mb / row["cpu_ms"] * 1e3
+                if "gpu_ms" in row:
+                    row["gpu_mb_s"] = mb / row["gpu_ms"] * 1e3
+                rows.append(row)
+    return {"ok": all(r["equal"] for r in rows), "rows": rows,
+            "note": "MB/s: MB of the chunk's KV in its dtype per second of that part's lanes"}
+
+
 def summary(report: Report) -> None:
     """The text table: what passed, what each timing measured, the model beside it."""
     data = report.data
@@ -462,6 +549,12 @@ def summary(report: Report) -> None:
         report.text(f"\ncopy engine: H2D {copy['h2d_gbps']:.1f} GB/s (event-timed), "
                     f"{copy['copy_gbps']:.1f} GB/s with the host gather; copy hidden behind "
                     f"the drafting stream: {copy.get('hidden_fraction', math.nan):.2f}")
+    codec = sections.get("codec", {})
+    if codec.get("rows"):
+        report.text("\ncodec rANS lanes, one chunk (numba on one core vs Triton), bit-equal:")
+        for row in codec["rows"]:
+            report.text(f"  {row['dtype']:>8} {row['part']:>8}: cpu {row['cpu_ms']:8.2f} ms "
+                        f"gpu {row.get('gpu_ms', math.nan):8.3f} ms  equal {row['equal']}")
     if model.get("ok"):
         profile = model["profile"]
         report.text(f"\nmeasured profile: HBM {profile['hbm_gbps']:.0f} GB/s, host link "
@@ -497,6 +590,7 @@ def run(out: Path, device: torch.device, small: bool, budget_s: float = 300) -> 
     report.section("kernels", lambda: check_kernels(device))
     report.section("attention", lambda: time_attention(device, sizes, budget_s))
     report.section("copy", lambda: time_copy(device, sizes))
+    report.section("codec", lambda: check_codec(device, small))
     report.section("model", lambda: compare_model(device, small, report.data["sections"]))
     summary(report)
     return report.data

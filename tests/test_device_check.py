@@ -13,7 +13,7 @@ def test_device_check_runs_every_section_at_toy_sizes(tmp_path) -> None:
     code = device_check.main([str(tmp_path), "--small", "--device", "cpu"])
     report = json.loads((tmp_path / "device_check.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"kernels", "attention", "copy", "model"}
+    assert set(sections) == {"kernels", "attention", "copy", "codec", "model"}
     failed = {name: s.get("error") for name, s in sections.items() if not s["ok"]}
     assert not failed, failed
     kernels = sections["kernels"]
@@ -33,5 +33,8 @@ def test_device_check_runs_every_section_at_toy_sizes(tmp_path) -> None:
         * sizes.head_dim * 2
     assert 0 <= copy["hidden_fraction"] <= 1
     assert sections["model"]["profile"]["host_link_gbps"] == copy["h2d_gbps"]
+    # every codec part decoded by the numpy reference equals the numba decode (bf16, float32)
+    codec = sections["codec"]["rows"]
+    assert len(codec) == 6 and all(row["equal"] for row in codec)
     text = (tmp_path / "device_check.txt").read_text()
     assert "kernels against the torch reference" in text and "| batch | context |" in text

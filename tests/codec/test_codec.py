@@ -190,12 +190,14 @@ def test_reordered_foreign_and_extended_streams_are_refused(blob, model_kv):
         decode_chunk(blob, key=b"page-1")
 
 
-def test_a_stream_of_the_previous_version_is_foreign(blob):
-    """Version 1 keyed part digests by 64 bytes of the key: such a stream is another format,
-    not a damaged one (a store leaves it in place)."""
-    assert blob[4] == VERSION == 2
-    with pytest.raises(StreamForeign, match="version 1"):
-        decode_chunk(blob[:4] + bytes([1]) + blob[5:], key=KEY)
+def test_a_stream_of_a_previous_version_is_foreign(blob):
+    """Version 2 range coded each part as one sequence, version 1 keyed part digests by 64
+    bytes of the key: such streams are another format, not damaged ones (a store leaves them in
+    place)."""
+    assert blob[4] == VERSION == 3
+    for old in (1, 2):
+        with pytest.raises(StreamForeign, match=f"version {old}"):
+            decode_chunk(blob[:4] + bytes([old]) + blob[5:], key=KEY)
 
 
 def test_the_part_digests_bind_the_whole_key(model_kv):

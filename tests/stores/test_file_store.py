@@ -201,8 +201,10 @@ def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exact
     data = page_file(storage, "a" * 64).read_bytes()
     raw = page.numel() * page.element_size()
     assert data[:4] == b"VCKV"
-    # The exact KV, entropy coded: measured 3.5 bytes per float32 element, 1.4 per bf16.
-    assert len(data) < (0.92 if page.dtype == torch.float32 else 0.75) * raw, len(data) / raw
+    # The exact KV, entropy coded: measured 0.91 of the float32 bytes and 0.77 of the bf16
+    # (stream version 3; its lanes' final states and word counts cost about 2% of a 64-token
+    # page, whose version-2 stream took 0.75 of the bf16 bytes).
+    assert len(data) < (0.92 if page.dtype == torch.float32 else 0.78) * raw, len(data) / raw
     target = torch.zeros_like(page)
     assert storage.get("a" * 64, target) is target
     assert torch.equal(bits(target), bits(page))

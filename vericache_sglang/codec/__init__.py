@@ -1,5 +1,5 @@
 """A CacheGen-style KV codec: chunked, progressive (coarse levels, the compressed pool's pages,
-then the exact KV bits), range coded, self-describing.
+then the exact KV bits), rANS coded in independent lanes, self-describing.
 
     from vericache_sglang.codec import CodecSpec, encode_chunk, decode_chunk
     spec = CodecSpec.for_compressor(kivi, num_layers=30)

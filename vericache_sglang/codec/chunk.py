@@ -10,9 +10,10 @@ of the key group). Its stream has one part per level:
   0..i gives level i, the last lossy level being the pool's pages bit for bit;
 - the last part: the exact K/V (`exact.py`).
 
-Codes are range coded with one table per (layer, K or V, channel) (CacheGen's grouping) or per
-(layer, K or V, coarser code) (`tables="kind"`). Level i's codes come with fp16 scales and zero
-points derived from the pool level's, so every level is a KIVI tier the attention kernels read.
+Codes are rANS coded in independent lanes (`entropy.py`) with one table per (layer, K or V,
+channel) (CacheGen's grouping) or per (layer, K or V, coarser code) (`tables="kind"`). Level
+i's codes come with fp16 scales and zero points derived from the pool level's, so every level is
+a KIVI tier the attention kernels read.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import torch
 import zstandard
 
 import vericache_kernels as kernels
+from vericache_kernels import rans_cpu, rans_ref
 from vericache_sglang.compress.quant import KiviQuantizer, QuantTier
 
-from . import exact
-from .entropy import Grouping, SymbolReader, SymbolWriter
+from . import entropy, exact
 from .stream import (
     Header,
     StreamError,
@@ -37,6 +38,7 @@ from .stream import (
     pack_sections,
     read_header,
     read_parts,
+    unpack_all,
     unpack_sections,
     write_stream,
 )
@@ -63,6 +65,9 @@ class CodecSpec:
     exact: bool = True
     zstd_level: int = 3
     chunk_tokens: int = 256
+    lane_channels: int = 16
+    """Channels (of one layer and kind) per rANS lane: fewer lanes cost fewer bytes (each
+    carries its 4-byte final state and a directory entry), more let a GPU run more at once."""
     levels: tuple[tuple[int, ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +84,11 @@ class CodecSpec:
         for coarse, fine in zip(levels, levels[1:], strict=False):
             if any(c > f for c, f in zip(coarse, fine, strict=True)):
                 raise ValueError("each level must have at most the next level's bits per layer")
+        if self.group % rans_ref.STATES:
+            raise ValueError(f"the group ({self.group}) must be a multiple of "
+                             f"{rans_ref.STATES} (a lane's interleaved coder states)")
+        if self.lane_channels < 1:
+            raise ValueError(f"lane_channels must be positive, got {self.lane_channels}")
         if self.chunk_tokens % self.group:
             raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a multiple of the "
                              f"group ({self.group})")
@@ -113,16 +123,6 @@ class DecodedChunk:
 def _codes(tier: QuantTier) -> tuple[torch.Tensor, torch.Tensor]:
     return (kernels.unpack_codes(tier.k_codes, tier.bits),
             kernels.unpack_codes(tier.v_codes, tier.bits))
-
-
-@functools.lru_cache(maxsize=16)
-def _channel_groupings(k_codes: tuple[int, ...], v_codes: tuple[int, ...]) -> tuple[Grouping,
-                                                                                  Grouping]:
-    """Per-channel tables of K and V codes: a chunk shape's argsort, done once per process."""
-    _, heads, dim, _ = k_codes
-    ch = np.arange(heads * dim).reshape(heads, dim)
-    return (Grouping.of(np.broadcast_to(ch[None, :, :, None], k_codes), heads * dim),
-            Grouping.of(np.broadcast_to(ch[None], v_codes), heads * dim))
 
 
 def _coarse_meta(scale: torch.Tensor, zero: torch.Tensor,
@@ -165,33 +165,85 @@ def _meta_bytes(tiers: list[QuantTier], level: int) -> bytes:
     return exact.encode_planes(meta, level)
 
 
-def _tables_section(tables: list[np.ndarray], level: int) -> bytes:
-    flat = np.concatenate([t.ravel() for t in tables]) if tables else np.empty(0, np.uint8)
-    return zstandard.ZstdCompressor(level=level).compress(flat.tobytes())
-
-
-class _Geometry:
+class Geometry:
     """Shapes of one chunk, from the header."""
 
     def __init__(self, header: Header) -> None:
         self.header = header
         self.fmt = exact.float_format(header.dtype)
+        if header.group % rans_ref.STATES or header.lane_channels < 1:
+            raise StreamForeign(f"KV stream group {header.group} or lanes of "
+                                f"{header.lane_channels} channels: not this codec's")
         n, h, d, g = header.tokens, header.heads, header.head_dim, header.group
         self.k_codes = (n // g, h, d, g)
         self.v_codes = (n, h, d)
         self.k_meta = (n // g, h, d)
         self.v_meta = (n, h, d // header.v_group)
+        self.channels = h * d
         self.codes = n * h * d
         """Codes (and elements) per layer and kind."""
-        self.channel_groupings = _channel_groupings(self.k_codes, self.v_codes)
+        self.lanes_per_pair = -(-self.channels // header.lane_channels)
+        self.channel_of = _channel_of(n, self.channels, g)
+
+    def pairs(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Level `index`'s coded (layer, kind) pairs [P, 2], each layer's new bits and the bits
+        before them."""
+        levels = self.header.levels
+        bits = np.asarray(levels[index], dtype=np.int64)
+        prev = np.asarray(levels[index - 1] if index else [0] * len(bits), dtype=np.int64)
+        widths = bits - prev
+        layers = np.flatnonzero(widths > 0)
+        pairs = np.stack([np.repeat(layers, 2), np.tile([0, 1], len(layers))], 1)
+        return np.ascontiguousarray(pairs, dtype=np.int64), widths, prev
+
+    def by_code(self, index: int) -> bool:
+        """Whether level `index`'s tables are per coarser code (else per channel)."""
+        return self.header.tables == "kind" and index > 0
+
+    def table_shapes(self, index: int) -> list[tuple[int, int]]:
+        """(tables, symbols) of each coded pair of level `index`."""
+        pairs, widths, prev = self.pairs(index)
+        by_code = self.by_code(index)
+        return [(1 << int(prev[layer]) if by_code else self.channels, 1 << int(widths[layer]))
+                for layer, _ in pairs]
 
 
-def _grouping(geo: _Geometry, tables: str, kind: int, previous: np.ndarray | None,
-              prev_bits: int) -> Grouping:
-    """The tables of a level's K (kind 0) or V codes: per channel, or per coarser code."""
-    if tables == "channel" or previous is None:
-        return geo.channel_groupings[kind]
-    return Grouping.of(previous, 1 << prev_bits)
+@functools.lru_cache(maxsize=16)
+def _channel_of(tokens: int, channels: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each K and V code's channel, in the pool layout (a chunk shape's, made once)."""
+    n = tokens * channels
+    return (np.arange(n) // group % channels, np.arange(n) % channels)
+
+
+def _cum(tables: list[np.ndarray], widths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The coder's tables of a part's table blocks, padded to its widest, and each block's
+    first row."""
+    widest = max(widths, default=0)
+    cum = [rans_ref.normalize(t, widest) for t in tables]
+    base = np.cumsum([0] + [len(t) for t in tables])[:-1].astype(np.int64)
+    if not cum:
+        return np.zeros((0, 2), dtype=np.int64), base
+    return np.ascontiguousarray(np.concatenate(cum)), base
+
+
+def _layer_codes(tiers: list[QuantTier]) -> np.ndarray:
+    """uint8 [L, 2, n * H * D]: every layer's K and V pool codes in the pool layout."""
+    return np.stack([np.stack([kernels.unpack_codes(tier.k_codes, tier.bits).numpy().ravel(),
+                               kernels.unpack_codes(tier.v_codes, tier.bits).numpy().ravel()])
+                     for tier in tiers])
+
+
+def _float_meta(tiers_meta: list[torch.Tensor], layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V scales and zeros ([L, ...] each, fp16) -> float32 [L, 2, M] scales and zeros
+    (the shorter kind zero-padded)."""
+    k_scale, k_zero, v_scale, v_zero = (m.reshape(layers, -1).float().numpy()
+                                        for m in tiers_meta)
+    width = max(k_scale.shape[1], v_scale.shape[1])
+    scales = np.zeros((layers, 2, width), dtype=np.float32)
+    zeros = np.zeros((layers, 2, width), dtype=np.float32)
+    scales[:, 0, :k_scale.shape[1]], scales[:, 1, :v_scale.shape[1]] = k_scale, v_scale
+    zeros[:, 0, :k_zero.shape[1]], zeros[:, 1, :v_zero.shape[1]] = k_zero, v_zero
+    return scales, zeros
 
 
 def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
@@ -207,7 +259,7 @@ def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
     if tokens == 0 or tokens % spec.group:
         raise ValueError(f"a chunk's tokens ({tokens}) must be a positive multiple of the "
                          f"group ({spec.group})")
-    fmt = exact.float_format(keys.dtype)
+    exact.float_format(keys.dtype)  # refuses a dtype the codec does not take
     keys, values = keys.cpu(), values.cpu()
     tiers = [QuantTier.quantize(keys[layer], values[layer], bits, spec.group)
              for layer, bits in enumerate(spec.pool_bits)]
@@ -215,56 +267,69 @@ def encode_chunk(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,
                   dtype=str(keys.dtype).removeprefix("torch."), group=spec.group,
                   v_group=math.gcd(spec.group, dim),
                   levels=[list(level) for level in spec.levels], tables=spec.tables,
-                  exact=spec.exact)
-    geo = _Geometry(Header(**fields, part_lengths=[], part_digests=[]))
-    codes = [_codes(tier) for tier in tiers]
+                  exact=spec.exact, lane_channels=spec.lane_channels)
+    geo = Geometry(Header(**fields, part_lengths=[], part_digests=[]))
+    codes = _layer_codes(tiers)
+    pool = np.asarray(spec.pool_bits, dtype=np.int64)
     parts = []
     for index, level in enumerate(spec.levels):
-        prev = spec.levels[index - 1] if index else None
-        writer, tables = SymbolWriter(), []
-        for layer, (kc, vc) in enumerate(codes):
-            pool, bits = spec.pool_bits[layer], level[layer]
-            width = bits - (prev[layer] if prev else 0)
-            if width == 0:
-                continue
-            for kind, c in enumerate((kc, vc)):
-                symbols = (c >> (pool - bits)) & ((1 << width) - 1)
-                previous = (c >> (pool - prev[layer])).numpy() if prev else None
-                grouping = _grouping(geo, spec.tables, kind, previous,
-                                     prev[layer] if prev else 0)
-                tables.append(writer.grouped(symbols.numpy().ravel(), grouping, 1 << width))
-        sections = [_tables_section(tables, spec.zstd_level), writer.finish()]
+        pairs, widths, prev = geo.pairs(index)
+        by_code = geo.by_code(index)
+        shift, prev_shift = pool - np.asarray(level, dtype=np.int64), pool - prev
+        tables = []
+        for layer, kind in pairs:
+            c = codes[layer, kind].astype(np.int64)
+            symbols = (c >> shift[layer]) & ((1 << widths[layer]) - 1)
+            rows, size = geo.table_shapes(index)[len(tables)]
+            groups = c >> prev_shift[layer] if by_code else geo.channel_of[kind]
+            tables.append(entropy.frequency_tables(symbols, groups, rows, size))
+        cum, base = _cum(tables, [int(widths[layer]) for layer, _ in pairs])
+        words, counts = rans_cpu.encode_level(codes, pairs, cum, base, shift, widths, prev_shift,
+                                              by_code, tokens, spec.group, spec.lane_channels)
+        sections = [entropy.pack_tables(tables, spec.zstd_level),
+                    *entropy.pack_lanes(words, counts, spec.zstd_level)]
         if index == 0:
             sections.insert(0, _meta_bytes(tiers, spec.zstd_level))
         parts.append(pack_sections(sections))
     if spec.exact:
-        parts.append(pack_sections([_encode_exact(keys[layer], values[layer], tier, fmt,
-                                                  spec.zstd_level)
-                                    for layer, tier in enumerate(tiers)]))
+        parts.append(_encode_exact(keys, values, tiers, codes, geo, spec.zstd_level))
     return write_stream(fields, parts, key)
 
 
-def _bins(tier: QuantTier, group: int, v_group: int,
-          layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Centre and half width (float32, [layers, keys then values]) of every element's pool bin;
-    `tier` holds `layers` layers' tokens one after the other (one dequantization for all)."""
-    k_pred, v_pred = tier.dequantize(torch.float32)
-    k_half = tier.k_scale.float().repeat_interleave(group, 0) / 2
-    v_half = tier.v_scale.float().repeat_interleave(v_group, -1) / 2
-    return (torch.cat([k_pred.reshape(layers, -1), v_pred.reshape(layers, -1)], 1),
-            torch.cat([k_half.reshape(layers, -1), v_half.reshape(layers, -1)], 1))
-
-
-def _encode_exact(keys: torch.Tensor, values: torch.Tensor, tier: QuantTier,
-                  fmt: exact.FloatFormat, zstd_level: int) -> bytes:
-    x = torch.cat([keys.flatten(), values.flatten()])
-    pred, half = _bins(tier, len(keys) // tier.k_scale.shape[0], math.gcd(
-        len(keys) // tier.k_scale.shape[0], keys.shape[-1]))
-    residual = exact.encode_residual(x, pred.ravel(), half.ravel(), fmt)
-    planes = exact.encode_planes(x, zstd_level)
-    if len(planes) < len(residual):
-        return bytes([EXACT_PLANES]) + planes
-    return bytes([EXACT_RESIDUAL]) + residual
+def _encode_exact(keys: torch.Tensor, values: torch.Tensor, tiers: list[QuantTier],
+                  codes: np.ndarray, geo: Geometry, zstd_level: int) -> bytes:
+    """The exact part: per layer a mode (rANS lanes of the residual given the pool bins, or
+    zstd byte planes, whichever is smaller), then the residual layers' exponent tables, lane
+    directory and words, then the byte-plane layers' sections."""
+    header, fmt = geo.header, geo.fmt
+    layers = header.layers
+    x = torch.stack([keys, values], 1).reshape(2 * layers, -1)
+    x_bits = np.ascontiguousarray(exact.unsigned(x, fmt))
+    scales, zeros = _float_meta([torch.stack(m) for m in zip(
+        *((t.k_scale, t.k_zero, t.v_scale, t.v_zero) for t in tiers), strict=True)], layers)
+    every = np.arange(layers, dtype=np.int64)
+    model = (*fmt.model, header.tokens, header.group, header.v_group)
+    tables = entropy.scale_histogram(rans_cpu.exponent_histogram(
+        x_bits, every, codes, scales, zeros, *model))
+    exp_cum = rans_ref.normalize(tables, 5)
+    words, counts = rans_cpu.encode_exact(x_bits, every, exp_cum, codes, scales, zeros, *model,
+                                          header.lane_channels)
+    per = 2 * geo.lanes_per_pair
+    lane_words = counts.reshape(layers, per).sum(1)
+    planes = [exact.encode_planes(x[2 * layer:2 * layer + 2], zstd_level)
+              for layer in range(layers)]
+    # a residual layer costs its words, its exponent table and about a byte of directory a lane
+    modes = np.array([EXACT_PLANES if len(planes[layer]) < 2 * lane_words[layer] + 32 + per
+                      else EXACT_RESIDUAL for layer in range(layers)], dtype=np.uint8)
+    residual = modes == EXACT_RESIDUAL
+    ends = np.cumsum(counts)
+    keep = np.repeat(residual, per)
+    kept = [words[end - count:end] for end, count, k in zip(ends, counts, keep, strict=True)
+            if k]
+    sections = [modes.tobytes(), entropy.pack_tables([tables[residual]], zstd_level),
+                *entropy.pack_lanes(np.concatenate(kept) if kept else np.empty(0, np.uint16),
+                                    counts[keep], zstd_level)]
+    return pack_sections(sections + [planes[layer] for layer in np.flatnonzero(~residual)])
 
 
 def decode_chunk(blob: bytes | memoryview, level: int | None = None,
@@ -282,29 +347,29 @@ def decode_chunk(blob: bytes | memoryview, level: int | None = None,
         raise StreamForeign(f"level {level} not in this stream (levels 0-{len(levels) - 1})")
     header, parts = read_parts(blob, min(want + 1, header.num_parts), key)
     try:
-        return _decode(header, _Geometry(header), parts, want)
+        return _decode(header, Geometry(header), parts, want)
     except (ValueError, TypeError, RuntimeError, IndexError, zstandard.ZstdError) as e:
         if isinstance(e, StreamError):
             raise
         raise StreamForeign(f"KV stream undecodable: {e}") from None
 
 
-def _decode(header: Header, geo: _Geometry, parts: list[memoryview], want: int) -> DecodedChunk:
-    sections0 = unpack_sections(parts[0], 3)
-    meta = _decode_meta(sections0[0], geo)
-    codes = np.zeros((header.layers, 2, geo.codes), dtype=np.int32)
+def _decode(header: Header, geo: Geometry, parts: list[memoryview], want: int) -> DecodedChunk:
+    sections0 = unpack_sections(parts[0], 4)
+    meta = decode_meta(sections0[0], geo)
+    codes = np.zeros((header.layers, 2, geo.codes), dtype=np.uint8)
     top = min(want, len(header.levels) - 1)
     for index in range(top + 1):
-        sections = sections0[1:] if index == 0 else unpack_sections(parts[index], 2)
-        _decode_level(header, geo, sections, index, codes)
+        sections = sections0[1:] if index == 0 else unpack_sections(parts[index], 3)
+        _decode_level(geo, sections, index, codes)
     tiers = _tiers(header, geo, codes, meta, top)
     result = DecodedChunk(header, want, tiers)
     if want == len(header.levels):
-        result.keys, result.values = _decode_exact(header, geo, parts[-1], tiers)
+        result.keys, result.values = _decode_exact(geo, parts[-1], codes, meta)
     return result
 
 
-def _decode_meta(section: memoryview, geo: _Geometry) -> list[torch.Tensor]:
+def decode_meta(section: memoryview, geo: Geometry) -> list[torch.Tensor]:
     """Every layer's K scales, K zeros, V scales, V zeros: four fp16 [L, *meta shape]."""
     shapes = [geo.k_meta, geo.k_meta, geo.v_meta, geo.v_meta]
     sizes = [math.prod(shape) for shape in shapes]
@@ -314,37 +379,29 @@ def _decode_meta(section: memoryview, geo: _Geometry) -> list[torch.Tensor]:
     return [item.reshape(layers, *shape) for item, shape in zip(items, shapes, strict=True)]
 
 
-def _decode_level(header: Header, geo: _Geometry, sections: list[memoryview], index: int,
+def level_lanes(geo: Geometry, sections: list[memoryview], index: int,
+                codes: np.ndarray) -> tuple:
+    """The arguments of a lane decoder (`vericache_kernels.rans_*.decode_level*`) for level
+    `index`'s sections (tables, lane directory, words), appending to `codes`."""
+    header = geo.header
+    pairs, widths, _ = geo.pairs(index)
+    tables = entropy.unpack_tables(sections[0], geo.table_shapes(index))
+    cum, base = _cum(tables, [int(widths[layer]) for layer, _ in pairs])
+    words, starts = entropy.unpack_lanes(sections[1], sections[2],
+                                         len(pairs) * geo.lanes_per_pair)
+    return (words, starts, cum, pairs, base, widths, geo.by_code(index), codes, header.tokens,
+            header.group, header.lane_channels)
+
+
+def _decode_level(geo: Geometry, sections: list[memoryview], index: int,
                   codes: np.ndarray) -> None:
     """Append level `index`'s bits to `codes` ([L, K or V, codes], holding the previous
     level's)."""
-    level = header.levels[index]
-    prev = header.levels[index - 1] if index else [0] * header.layers
-    reader = SymbolReader(sections[1])
-    flat = np.frombuffer(zstandard.ZstdDecompressor().decompress(
-        bytes(sections[0]), max_output_size=1 << 28), dtype=np.uint8)
-    pos = 0
-    for layer in range(header.layers):
-        width = level[layer] - prev[layer]
-        if width == 0:
-            continue
-        for kind in range(2):
-            layer_codes = codes[layer, kind]
-            grouping = _grouping(geo, header.tables, kind, layer_codes if index else None,
-                                 prev[layer])
-            num_groups = len(grouping.counts)
-            size = num_groups << width
-            if pos + size > flat.size:
-                raise StreamForeign("KV stream tables are short")
-            tables = flat[pos:pos + size].reshape(num_groups, 1 << width)
-            pos += size
-            layer_codes <<= width
-            layer_codes |= reader.grouped(grouping, tables)
-    if pos != flat.size:
-        raise StreamForeign("KV stream tables have unexpected entries")
+    if not rans_cpu.decode_level(*level_lanes(geo, sections, index, codes)):
+        raise StreamForeign(f"KV stream level {index} does not decode")
 
 
-def _tiers(header: Header, geo: _Geometry, codes: np.ndarray, meta: list[torch.Tensor],
+def _tiers(header: Header, geo: Geometry, codes: np.ndarray, meta: list[torch.Tensor],
            top: int) -> list[QuantTier]:
     """Level `top`'s tier per layer from its codes and the pool level's meta, packed in one
     call per (bits, pool bits) of all the layers sharing them."""
@@ -366,33 +423,53 @@ def _tiers(header: Header, geo: _Geometry, codes: np.ndarray, meta: list[torch.T
     return tiers
 
 
-def _decode_exact(header: Header, geo: _Geometry, part: memoryview,
-                  tiers: list[QuantTier]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact [L, n, H, D] keys and values. The pool bins of all layers of one bit width are
-    computed at once; the rest goes layer by layer (a layer's int64 arrays stay in cache)."""
-    layers, n = header.layers, geo.codes
-    sections = unpack_sections(part, layers)
-    out = np.empty((2, layers, n), dtype=f"u{geo.fmt.bits // 8}")
-    for bits in sorted({tier.bits for tier in tiers}):
-        members = [layer for layer in range(layers) if tiers[layer].bits == bits]
-        shared = QuantTier(bits, *(torch.cat(t) for t in zip(
-            *(tiers[layer].tensors() for layer in members), strict=True)))
-        pred, half = _bins(shared, header.group, header.v_group, len(members))
-        for i, layer in enumerate(members):
-            section = sections[layer]
-            if len(section) < 1:
-                raise StreamForeign("KV stream exact section is empty")
-            mode, data = section[0], section[1:]
-            if mode == EXACT_PLANES:
-                x = exact.decode_planes(data, 2 * n, geo.fmt).view(geo.fmt.int_dtype).numpy()
-                out[:, layer] = x.view(out.dtype).reshape(2, n)
-            elif mode == EXACT_RESIDUAL:
-                plan = exact.bin_plan(pred[i], half[i], geo.fmt)
-                out[:, layer] = exact.decode_residual(data, plan, geo.fmt).reshape(2, n)
-            else:
-                raise StreamForeign(f"KV stream exact section of unknown mode {mode}")
-    keys, values = (exact.floats(x, geo.fmt).reshape(layers, *geo.v_codes) for x in out)
-    return keys, values
+def exact_lanes(geo: Geometry, part: memoryview, codes: np.ndarray, meta: list[torch.Tensor],
+                out: np.ndarray) -> tuple[tuple | None, list[tuple[int, memoryview]]]:
+    """The arguments of a lane decoder (`vericache_kernels.rans_*.decode_exact*`) for the exact
+    part's residual layers (None if there are none), writing `out` ([2 * L, n * H * D]), and
+    the byte-plane layers' sections."""
+    header, fmt = geo.header, geo.fmt
+    layers = header.layers
+    sections = unpack_all(part)
+    if len(sections) < 4 or len(sections[0]) != layers:
+        raise StreamForeign("KV stream exact part does not fit its layers")
+    modes = np.frombuffer(sections[0], dtype=np.uint8)
+    if not np.isin(modes, (EXACT_RESIDUAL, EXACT_PLANES)).all():
+        raise StreamForeign("KV stream exact part of unknown mode")
+    residual = np.flatnonzero(modes == EXACT_RESIDUAL)
+    planes = np.flatnonzero(modes == EXACT_PLANES)
+    if len(sections) != 4 + len(planes):
+        raise StreamForeign("KV stream exact part has the wrong number of sections")
+    args = None
+    if len(residual):
+        (tables,) = entropy.unpack_tables(sections[1], [(len(residual), rans_ref.EXP_SYMBOLS)])
+        exp_cum = np.zeros((layers, rans_ref.EXP_SYMBOLS + 1), dtype=np.int64)
+        exp_cum[residual] = rans_ref.normalize(tables, 5)
+        words, starts = entropy.unpack_lanes(sections[2], sections[3],
+                                             len(residual) * 2 * geo.lanes_per_pair)
+        scales, zeros = _float_meta(meta, layers)
+        args = (words, starts, exp_cum, residual.astype(np.int64), codes, scales, zeros,
+                fmt.model, header.tokens, header.group, header.v_group, header.lane_channels,
+                out)
+    return args, list(zip(planes.tolist(), sections[4:], strict=True))
+
+
+def _decode_exact(geo: Geometry, part: memoryview, codes: np.ndarray,
+                  meta: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact [L, n, H, D] keys and values from the pool level's codes and meta."""
+    fmt, layers = geo.fmt, geo.header.layers
+    out = np.zeros((2 * layers, geo.codes), dtype=np.int64)
+    args, planes = exact_lanes(geo, part, codes, meta, out)
+    if args is not None:
+        words, starts, exp_cum, residual, codes, scales, zeros, model, *rest = args
+        if not rans_cpu.decode_exact(words, starts, exp_cum, residual, codes, scales, zeros,
+                                     *model, *rest):
+            raise StreamForeign("KV stream exact part does not decode")
+    for layer, section in planes:
+        x = exact.decode_planes(section, 2 * geo.codes, fmt).view(fmt.int_dtype).numpy()
+        out[2 * layer:2 * layer + 2] = x.reshape(2, -1)
+    x = exact.floats(out.reshape(layers, 2, -1).transpose(1, 0, 2), fmt)
+    return x[0].reshape(layers, *geo.v_codes), x[1].reshape(layers, *geo.v_codes)
 
 
 def encode(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec,

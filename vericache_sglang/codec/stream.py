@@ -24,8 +24,9 @@ import struct
 from dataclasses import asdict, dataclass
 
 MAGIC = b"VCKV"
-VERSION = 2
-"""2: part digests keyed by the whole stream key (1 keyed them by its first 64 bytes)."""
+VERSION = 3
+"""3: parts coded in independent rANS lanes (the header's `lane_channels`); 2 range coded each
+part as one sequence; 1 keyed part digests by the first 64 bytes of the key."""
 DIGEST_BYTES = 16
 _PREFIX = struct.Struct("<4sBI")
 _MAC_PERSON = b"vericache-kv-mac"
@@ -64,6 +65,7 @@ class Header:
     levels: list[list[int]]
     tables: str
     exact: bool
+    lane_channels: int
     part_lengths: list[int]
     part_digests: list[str]
 
@@ -186,3 +188,20 @@ def unpack_sections(part: memoryview, count: int) -> list[memoryview]:
     if offset != len(part):
         raise StreamForeign("KV stream part has bytes after its last section")
     return out
+
+
+def unpack_all(part: memoryview) -> list[memoryview]:
+    """Every section of a part whose section count its first section tells."""
+    out, offset = [], 0
+    while offset < len(part):
+        (section,) = unpack_sections(part[offset:offset + _SECTION.size + _length(part, offset)],
+                                     1)
+        out.append(section)
+        offset += _SECTION.size + len(section)
+    return out
+
+
+def _length(part: memoryview, offset: int) -> int:
+    if offset + _SECTION.size > len(part):
+        raise StreamForeign("KV stream part ends inside a section header")
+    return _SECTION.unpack_from(part, offset)[0]

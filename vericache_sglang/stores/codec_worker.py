@@ -1,8 +1,9 @@
 """Page coding in a child process, so a store's reads and writes do not wait on the scheduler's GIL.
 
 SGLang runs a storage backend's reads in its prefetch thread and its writes in its backup
-thread, both inside the scheduler process. Coding a page's stream is hundreds of short numpy,
-torch and constriction calls, each releasing and taking back the GIL; beside the scheduler's
+thread, both inside the scheduler process. Coding a page's stream is many short numpy and
+torch calls (before stream version 3 also hundreds of range-coder calls), each releasing and
+taking back the GIL; beside the scheduler's
 loop, which keeps polling while a request waits for its prefetch, every take-back waits. A
 64-token float32 page that decodes in about 0.1 s alone took 0.47 s per page inside a server
 (`python -m bench.remote_prefix`, store reads column), and 21 s beside a thread spinning in pure
