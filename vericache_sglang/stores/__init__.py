@@ -19,13 +19,18 @@ def register() -> None:
     """Have SGLang's storage factory build these names through VeriCache's classes, which
     give a server without VeriCache SGLang's own backend (the plugin calls this in every
     process; SGLang logs that each name is overwritten). Loading stays lazy. A reloaded
-    prefix's compressed pages come from the stored stream (`reloaded`)."""
+    prefix's compressed pages come from the stored stream (`load_back`)."""
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.plugins.hook_registry import HookType
 
     from vericache_sglang.integration.hooks import hook
 
-    from .reloaded import BUFFER_LOAD_BACK, LOAD_BACK, install_reloaded_codes, install_staged_codes
+    from .load_back import (
+        BUFFER_LOAD_BACK,
+        LOAD_BACK,
+        install_reloaded_codes,
+        install_staged_codes,
+    )
 
     for name, (module, cls) in BACKENDS.items():
         StorageBackendFactory.register_backend(name, module, cls)

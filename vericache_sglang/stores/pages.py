@@ -89,6 +89,21 @@ class StoreStats:
         return {"faults": faults, "io": {"_".join(key): n for key, n in io.items()}}
 
 
+class ReconnectStats:
+    """A server's attempts to reach a store that was unreachable, and how many failed
+    (`/metrics`: vericache:store_reconnect_attempts and _failures)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.attempts = 0
+        self.failures = 0
+
+    def record(self, failed: bool) -> None:
+        with self._lock:
+            self.attempts += 1
+            self.failures += failed
+
+
 class PageCoder:
     """The coded form of a host pool's pages: flat page (host layout) <-> codec stream."""
 

@@ -56,21 +56,6 @@ class StoreUnusable(Exception):
     names the store and the cause."""
 
 
-class ReconnectStats:
-    """A server's attempts to reach a store that was unreachable, and how many failed
-    (`/metrics`: vericache:store_reconnect_attempts and _failures)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.attempts = 0
-        self.failures = 0
-
-    def record(self, failed: bool) -> None:
-        with self._lock:
-            self.attempts += 1
-            self.failures += failed
-
-
 def retry_seconds() -> float:
     """How long a server waits between attempts to reach an unreachable store."""
     value = os.environ.get(RETRY_ENV, "")

@@ -5,9 +5,9 @@ lossy level, and decoding the exact KV decodes that level on the way. So when a 
 store reads a page, it offers that level's codes here, keyed by the page's storage key (the
 radix tree's page hash). SGLang then loads the page's KV from its host pool into device slots
 when a request uses it (`UnifiedRadixCache.load_back`, or its buffer-only pipeline); the hooks
-below map the loaded pages' hashes to those slots and install the codes as the compressed
-pool's pages for them (`CompressedPagePool.install`). Drafting then reads them at once, and
-the pool quantizes none of the reloaded prefix from the full KV.
+in `load_back.py` map the loaded pages' hashes to those slots and install the codes as the
+compressed pool's pages for them (`CompressedPagePool.install`). Drafting then reads them at
+once, and the pool quantizes none of the reloaded prefix from the full KV.
 
 Codes wait here between the read and the load-back, as the host pool's page waits. They are
 bounded as SGLang bounds prefetched pages (half the host pool, `prefetch_capacity_limit`), the
@@ -23,29 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.compress.quant import QuantTier
-from vericache_sglang.integration.internals import internal
 
 if TYPE_CHECKING:
     from vericache_sglang.tiers.compressed_pool import CompressedPagePool
 
 logger = logging.getLogger(__name__)
-
-PIPELINE_CACHE = internal("sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline",
-                          "_cache", "private attribute", __name__, on_instances=True)
-"""The radix cache a buffer-mode pipeline loads back into (its page size)."""
-
-LOAD_BACK = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.load_back"
-BUFFER_LOAD_BACK = ("sglang.srt.mem_cache.buffer_mode.pipeline.BufferModePipeline"
-                    "._allocate_and_queue_load_back")
-"""SGLang's two load-backs: from its host pool (`load_back`), and with
-`--hicache-host-memory-mode buffer_only` (VeriCache's host tier holds the full KV, SGLang's
-host memory only stages pages) from the staged prefetch."""
-
 
 class ReloadedCodes:
     """Pool-level codes of pages read from the store, by storage key, until their KV is
@@ -138,48 +124,3 @@ class ReloadedCodes:
                 self.installed += pool.install(page, tiers)
             else:
                 self.skip(key, "codes of another geometry")
-
-
-def install_reloaded_codes(load_back: Callable[..., bool], tree: Any, node_id: Any,
-                           mem_quota: int | None = None, req: Any = None) -> bool:
-    """Around `UnifiedRadixCache.load_back`: once SGLang loaded a request's host pages onto
-    the device (they end the request's matched path, after `req.last_node`), install the
-    codes the store decoded for them, and note where pages waiting for their exact KV now
-    are (`pending.py`), in the server's store state."""
-    from .state import served_store_state  # state.py builds on this module
-
-    last = getattr(req, "last_node", None)
-    loaded = load_back(tree, node_id, mem_quota=mem_quota, req=req)
-    state = served_store_state()
-    if not loaded or not (len(state.reloaded) or state.pending.enabled) or last is None:
-        return loaded
-    slots = tree.tree_core.collect_full_device_indices(node_id, last)
-    page_size = tree.page_size
-    chain = tree.get_prefix_hash_values(node_id) + tree.tree_core.get_hash_values(node_id)
-    pages = slots.numel() // page_size
-    if pages and len(chain) >= pages:
-        state.reloaded.install(chain[-pages:], slots.cpu(), page_size)
-        state.pending.loaded(chain[-pages:], slots.cpu(), page_size)
-    return loaded
-
-
-def install_staged_codes(result: tuple[Any, str], pipeline: Any, req: Any, staged: Any,
-                         *args: Any, **kwargs: Any) -> None:
-    """After `BufferModePipeline._allocate_and_queue_load_back`: the staged prefetch's pages
-    (`staged.hash_values`, page by page with `staged.host_indices`) were queued into device
-    slots (`device_indices` of the load SGLang returns, for the host rows past the
-    already-resident head): install the codes the store decoded for them."""
-    from .state import served_store_state  # state.py builds on this module
-
-    load = result[0]
-    reloaded = served_store_state().reloaded
-    if load is None or not len(reloaded):
-        return None
-    slots = load.device_indices
-    page_size = PIPELINE_CACHE.get(pipeline).page_size
-    head = (len(staged.host_indices) - slots.numel()) // page_size
-    pages = slots.numel() // page_size
-    keys = staged.hash_values[head:head + pages]
-    if len(keys) == pages:
-        reloaded.install(keys, slots.cpu(), page_size)
-    return None

@@ -23,9 +23,8 @@ from sglang.srt.runtime_context import get_server_args
 
 from .admission import ReadOrRecompute
 from .link import LinkMeter
-from .pages import StoreStats
+from .pages import ReconnectStats, StoreStats
 from .pending import PendingExact, Settled
-from .reconnect import ReconnectStats
 from .reloaded import ReloadedCodes
 
 STATE_ATTR = "_vericache_stores"
