@@ -41,15 +41,13 @@ MAX_REQUESTS_TARGET = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfig
                        "resolve_max_num_reqs")
 """The configurator step that caps concurrent requests."""
 
-WINDOW_BUDGET_SHARE = 1 / 16
-"""Share of the device budget reserved for running requests' drafting windows when
---max-running-requests is not given (host placement). A window holds full KV, about six times
-the bytes of the compressed context it displaces, so the reserve trades context for
-concurrency: a sixteenth keeps at least 15/16 of the budget for the compressed pool and
-staging, and the number of requests grows with the device (9 on a 1.5 GB budget of the demo
-model, hundreds on a GPU's). Where the host pool holds fewer tokens than the rest would cover
-in compressed pages, the windows get what the pool does not need (`bench.window_cap`: 16
-requests at once on the tests' 1.5 GB, 1.25x faster than 9 on a batch of 16)."""
+TYPICAL_CONTEXT_SHARE = 1 / 2
+"""Without --max-running-requests (host placement), each running request is planned a drafting
+window and this share of the model's context in compressed pages: the split lets the requests
+the windows admit use the tokens the pool holds. (A fixed sixteenth of the budget for windows
+gave a 12,000-token budget 58,112 tokens of compressed pool but windows for 3 requests, so 8
+requests of 4,000 tokens ran 3 at a time.) Where the host pool holds fewer tokens than that
+pool would cover, the windows also get what the pool does not need."""
 
 DEFAULT_STAGING_UNITS = 4
 """Staging buffers by default: one copied while one is read, and two more of lead."""
@@ -133,9 +131,11 @@ def plan_device_budget(config: VeriCacheConfig, geometry: _Geometry, tokens: int
     # verify keeps the chain's (drafts + 1) until acceptance: full KV of these tokens per
     # running request.
     window = (plan.residual + plan.group + config.vericache_max_draft_length) * full
-    requests = max_running_requests or max(1, int(budget * WINDOW_BUDGET_SHARE) // window)
-    windows = requests * window
     page_bytes = _page_bytes(compressor, geometry)
+    context_pages = pool_pages(compressor, int(geometry.context_len * TYPICAL_CONTEXT_SHARE))
+    requests = max_running_requests or max(
+        1, (budget - staging) // (window + context_pages * page_bytes))
+    windows = requests * window
     left = budget - staging - windows
     pages = int(left // page_bytes) if left > 0 else 0
     capacity = int(pages / (1 + SPLIT_PAGE_SHARE)) * plan.group
