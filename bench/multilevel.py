@@ -55,13 +55,20 @@ from vericache_tools.server_args import VERICACHE
 from vericache_tools.server_process import ServerProcess, ServerStartError
 
 BATCH = ["--max-running-requests", "4"]
+EVERY_DEFAULT = "VeriCache, every default"
+"""`--enable-vericache` alone: what a new user starts (its full tier, compressor, drafter and
+draft lengths at their defaults)."""
 SERVERS = {
     "plain SGLang": [],
+    EVERY_DEFAULT: ["--enable-vericache"],
     "VeriCache, one level": [*VERICACHE, "--vericache-drafter", "none"],
     "VeriCache + ngram": [*VERICACHE, "--vericache-drafter", "ngram"],
     "SGLang NGRAM": ["--speculative-algorithm", "NGRAM", "--disable-overlap-schedule"],
 }
 MODULES = ["argparse", "difflib", "inspect", "typing"]
+UNSEEN_MODULES = ["smtplib", "ftplib", "mailbox", "imaplib"]
+"""Sources no test reads (`--modules unseen`): a check that the defaults were not tuned to the
+tests' prompts."""
 DEFAULT_NEW_TOKENS = 128
 """Greedy tokens per request unless `--max-new-tokens` says otherwise."""
 
@@ -81,8 +88,10 @@ def before_last_definition(tokenizer, ids: list[int]) -> list[int]:
     raise ValueError("the code prompt has no def or class line to stop before")
 
 
-def workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[dict]]:
-    """Code continuation and chat about code, at batch 1 and batch 4, by name."""
+def workloads(tokenizer, prompt_tokens: int, new_tokens: int,
+              modules: list[str] = MODULES) -> dict[str, list[dict]]:
+    """Code continuation and chat about code of `modules`' sources, at batch 1 (the first)
+    and batch 4, by name."""
     def code(module: str) -> list[int]:
         return before_last_definition(
             tokenizer, stdlib_ids(tokenizer, module, prompt_tokens, start=200))
@@ -93,10 +102,10 @@ def workloads(tokenizer, prompt_tokens: int, new_tokens: int) -> dict[str, list[
                         f"\n\n```python\n{source}\n```")
 
     return {
-        "code, batch 1": [request(code(MODULES[0]), new_tokens)],
-        "chat, batch 1": [request(chat(MODULES[0]), new_tokens, ignore_eos=False)],
-        "code, batch 4": [request(code(m), new_tokens) for m in MODULES],
-        "chat, batch 4": [request(chat(m), new_tokens, ignore_eos=False) for m in MODULES],
+        "code, batch 1": [request(code(modules[0]), new_tokens)],
+        "chat, batch 1": [request(chat(modules[0]), new_tokens, ignore_eos=False)],
+        "code, batch 4": [request(code(m), new_tokens) for m in modules],
+        "chat, batch 4": [request(chat(m), new_tokens, ignore_eos=False) for m in modules],
     }
 
 
@@ -161,12 +170,13 @@ def measure_decode(server: ServerProcess, payloads: list[dict], repeats: int = 1
 
 
 def server_args(full_tier: str, drafter: Path) -> dict[str, list[str]]:
-    """Every server's own arguments by name, VeriCache's with its full tier; the draft-model
-    server drafts with `drafter`."""
+    """Every server's own arguments by name, VeriCache's with its full tier (but the one at
+    every default); the draft-model server drafts with `drafter`."""
     chosen = {**SERVERS, "VeriCache + draft model": [
         *VERICACHE, "--vericache-draft-model", str(drafter)]}
     return {name: [*extra, "--vericache-full-tier", full_tier]
-            if "--enable-vericache" in extra else extra for name, extra in chosen.items()}
+            if "--enable-vericache" in extra and name != EVERY_DEFAULT else extra
+            for name, extra in chosen.items()}
 
 
 def identical(row: dict, reference: list[list[int]]) -> int:
@@ -183,6 +193,9 @@ def main() -> None:
                         "(default: %(default)s)")
     parser.add_argument("--full-tier", default="host", choices=["host", "device"],
                         help="--vericache-full-tier of the VeriCache servers (default: host)")
+    parser.add_argument("--modules", choices=["tests", "unseen"], default="tests",
+                        help="the stdlib sources of the prompts: those the tests also read, or "
+                        f"{', '.join(UNSEEN_MODULES)}, which no test reads (default: tests)")
     parser.add_argument("--workloads", nargs="+", metavar="NAME",
                         help="run only these workloads (e.g. 'code, batch 1'; default: all)")
     parser.add_argument("--servers", nargs="+", metavar="NAME",
@@ -198,7 +211,8 @@ def main() -> None:
     prepared = models.prepare()
     model = prepared.target
     tokenizer = AutoTokenizer.from_pretrained(model)
-    chosen_workloads = workloads(tokenizer, args.prompt_tokens, args.max_new_tokens)
+    chosen_workloads = workloads(tokenizer, args.prompt_tokens, args.max_new_tokens,
+                                 UNSEEN_MODULES if args.modules == "unseen" else MODULES)
     if args.workloads:
         unknown = set(args.workloads) - set(chosen_workloads)
         if unknown:
@@ -234,6 +248,7 @@ def main() -> None:
     length = ("" if args.max_new_tokens == DEFAULT_NEW_TOKENS
               else f" --max-new-tokens {args.max_new_tokens}")
     length += f" --repeats {args.repeats}" if args.repeats > 1 else ""
+    length += " --modules unseen" if args.modules == "unseen" else ""
     lines = [
         f"\nMeasured by `python -m bench.multilevel --full-tier {args.full_tier}{length}` "
         f"(contexts of up to {args.prompt_tokens} tokens, {args.max_new_tokens} greedy tokens per "

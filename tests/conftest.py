@@ -110,11 +110,13 @@ def plain_server(demo_model: Path, server_pool: ServerPool) -> Iterator[ServerPr
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vericache_server(demo_model: Path, server_pool: ServerPool) -> Iterator[ServerProcess]:
     """The demo model served in float32 with VeriCache (`VERICACHE_HOST_ARGS`: 4-bit KIVI,
-    draft length adapting from 16, the full KV in host memory), held from its first use to the
-    end of the session."""
+    16 drafts a round, the full KV in host memory), held by each module that asks. Those
+    modules run one after another (`_order`), and the pool keeps it up between them; once
+    they are done it is idle, and a later module that needs the memory stops it (SGLang's
+    hierarchical cache sizes its host pool by the memory left: the disk tier's)."""
     with server_pool.hold(ServerSpec.of(demo_model, VERICACHE_HOST_ARGS)) as (server,):
         yield server
 

@@ -91,9 +91,9 @@ def test_server_info_reports_vericache_settings(vericache_server):
     assert compressor.startswith("kivi:") and "bits=4" in compressor.split(":")[1].split(",")
     assert info == {
         "enable_vericache": True,
-        "vericache_draft_length": 16,
-        "vericache_min_draft_length": 4,
-        "vericache_max_draft_length": 64,
+        "vericache_draft_length": 16,  # every round (FIXED_DRAFT_LENGTH)
+        "vericache_min_draft_length": 16,
+        "vericache_max_draft_length": 16,
         "vericache_drafter": "ngram",  # auto, without a draft model
         "vericache_draft_model": None,
         "vericache_drafter_min_length": 1,

@@ -83,15 +83,18 @@ class VeriCacheConfig:
     )
     vericache_draft_length: int = field(
         default=16,
-        metadata={"help": "Draft tokens per verification round at the start of a request."},
+        metadata={"help": "Draft tokens per verification round of the first rounds at a "
+                  "batch size, before the rounds' measured cost chooses the length."},
     )
     vericache_min_draft_length: int = field(
         default=4,
-        metadata={"help": "Lower bound of the adaptive draft length."},
+        metadata={"help": "Smallest non-zero draft length the cost-based choice takes (a plain "
+                  "step, no drafts, is always one of its choices; equal to the maximum: every "
+                  "round drafts that length)."},
     )
     vericache_max_draft_length: int = field(
         default=64,
-        metadata={"help": "Upper bound of the adaptive draft length."},
+        metadata={"help": "Largest draft length the cost-based choice takes."},
     )
     vericache_drafter: str = field(
         default="auto",

@@ -74,8 +74,9 @@ NOTES = """
   (`tests/speculative/test_page_size.py`: page size 64, identical to plain SGLang's output).
 - **Memory flags keep their meaning.** `--max-total-tokens` / `--mem-fraction-static` mean the
   device bytes plain SGLang's KV pool would take. With the host tier they hold the compressed
-  pool, the windows of up to `--max-running-requests` running requests (default: a sixteenth
-  of the budget, or what a smaller host pool leaves; [memory.md](memory.md)) and the staging
+  pool, the windows of up to `--max-running-requests` running requests (default: as many
+  as the budget holds with half a context of compressed pages each, or more where a smaller host
+  pool leaves room; [memory.md](memory.md)) and the staging
   area, and the token capacity becomes what the compressed pool covers. With
   `--vericache-full-tier device` the full pool shrinks so that it and the compressed pool fit
   them together (the startup log says how).

@@ -22,7 +22,7 @@ from tests.support.identity import (
     send_all,
     stream_chunks,
 )
-from tests.support.servers import SERVER_ARGS, ServerSpec
+from tests.support.servers import FIXED_DRAFT_LENGTH, SERVER_ARGS, ServerSpec
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
@@ -53,7 +53,7 @@ def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, pro
     names = ["heapq_400", "chat_fnmatch"]
     with server_pool.hold(ServerSpec.of(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model", str(demo_models.draft),
-        "--vericache-drafter-max-length", "3",
+        "--vericache-drafter-max-length", "3", *FIXED_DRAFT_LENGTH,
     ])) as (server,):
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
                                      "kivi:bits=4 + 4-layer truncation", max_new_tokens=32)
@@ -80,7 +80,7 @@ def test_the_distilled_drafter_on_a_token_dropping_tier(demo_models, plain, prom
     streamed = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
     with server_pool.hold(ServerSpec.of(demo_models.target, [
         *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.5",
-        "--vericache-draft-model", str(demo_models.drafter),
+        "--vericache-draft-model", str(demo_models.drafter), *FIXED_DRAFT_LENGTH,
     ])) as (server,):
         got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
                                      "snapkv:ratio=0.5 + distilled drafter")

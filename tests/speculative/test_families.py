@@ -3,7 +3,9 @@ server refuses at startup with one line.
 
 Each family is a tiny seeded random-weight model (`tests/support/families.py`) carrying its
 attention features (sliding windows of 128 tokens, Gemma 2's softcapping, experts). Plain SGLang
-and VeriCache (every default) serve it side by side in float32; three greedy requests of 640-token
+and VeriCache (every default but a fixed draft length of 16, so that every round drafts over
+the family's attention: the cost-based length takes plain steps where a random model's drafts
+are rejected) serve it side by side in float32; three greedy requests of 640-token
 real prompts (crossing the windows and many KIVI groups) run together for 48 tokens, and the
 outputs must be equal token for token. Where plain SGLang needs the CPU support's fixes to run
 a family as the model defines it (softcapping in torch_native, Qwen2-MoE's shared-expert
@@ -19,7 +21,7 @@ import pytest
 
 from tests.support.families import FAMILIES, build
 from tests.support.identity import send_all, stats
-from tests.support.servers import ServerSpec
+from tests.support.servers import FIXED_DRAFT_LENGTH, ServerSpec
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_args import server_args
 from vericache_tools.server_process import ServerProcess, ServerStartError
@@ -80,7 +82,7 @@ def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts, 
     # Started side by side, asked one after the other (each server's forwards use both cores);
     # the pool stops them when the next family's servers need the room.
     with server_pool.hold(ServerSpec.of(path, ARGS, max_total_tokens=8192),
-                          ServerSpec.of(path, [*ARGS, "--enable-vericache"],
+                          ServerSpec.of(path, [*ARGS, "--enable-vericache", *FIXED_DRAFT_LENGTH],
                                         max_total_tokens=8192)) as (plain, vericache):
         want = send_all(plain, payloads)
         got = send_all(vericache, payloads)

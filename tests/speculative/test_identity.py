@@ -3,8 +3,8 @@
 Real servers, the demo model in float32 on both sides, the same server arguments apart from
 the VeriCache flags (prompts over 2,048 tokens are prefilled in chunks on both). Every request
 goes to plain SGLang once (the `plain` fixture remembers the answers). Here the VeriCache
-server is `vericache_server` (tests/conftest.py): 4-bit KIVI, draft length adapting from 16
-up to 64; test_identity_snapkv.py runs the twelve prompts on a token-dropping tier with a
+server is `vericache_server` (tests/conftest.py): 4-bit KIVI, 16 drafts a round;
+test_identity_snapkv.py runs the twelve prompts on a token-dropping tier with a
 short fixed draft length.
 """
 
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
 def test_twelve_real_prompts_in_one_batch(vericache_server, plain, prompt_ids):
     """Same tokens as plain SGLang. The n-gram drafter's proposals were checked (some kept,
     some not), and level 1 ran fewer forwards than it drafted tokens (test_drafter.py)."""
-    got = assert_batch_identical(vericache_server, plain, prompt_ids, "kivi:bits=4, k from 16")
+    got = assert_batch_identical(vericache_server, plain, prompt_ids, "kivi:bits=4, k=16")
     forwards, proposed, kept = (sum(column) for column in zip(*map(levels, got), strict=True))
     drafted = sum(stats(out)[1] for out in got)
     print(f"  level 1: {forwards} forwards for {drafted} drafts; "

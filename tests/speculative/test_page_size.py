@@ -35,7 +35,12 @@ import pytest
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from tests.support.identity import PROMPTS, payload, send_all, stats, vericache_metrics
-from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, HOST_BUDGET, SERVER_ARGS
+from tests.support.servers import (
+    FIXED_DRAFT_LENGTH,
+    FULL_KV_BYTES_PER_TOKEN,
+    HOST_BUDGET,
+    SERVER_ARGS,
+)
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
 
@@ -49,7 +54,7 @@ VERICACHE_ARGS = [
     *PAGED_ARGS,
     "--enable-vericache",
     "--vericache-compressor", "kivi:bits=4",
-    "--vericache-draft-length", "16",
+    *FIXED_DRAFT_LENGTH,
     "--vericache-full-tier-budget", HOST_BUDGET,
     "--vericache-full-tier", "disk",
     # The storage hit is whole, not what a slow CPU loaded before a timeout.

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support.families import build
 from tests.support.interpreter import INTERPRETING, interpreter_only, rerun_under_interpreter
 from tests.support.servers import ServerSpec
 from vericache_sglang.speculative.backends import verifies_natively
@@ -58,9 +59,12 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
     read 2-bit pages, so some are rejected), greedy, batched: VeriCache verifies through
     SGLang's Triton backend with the full KV in the device pool, and through SGLang's Triton
     extend kernel over the staging units with the full KV in host memory (`/server_info` says
-    which); both emit plain SGLang's tokens on the same backend."""
+    which); both emit plain SGLang's tokens on the same backend. The model is the tiny Llama
+    of the family tests (4 layers, 4 query heads: the interpreter runs a kernel program at a
+    time, and the demo model's 30 layers of 9 heads took minutes for 8 tokens)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    model = build("llama", demo_model)
     tokenizer = hf_reference.tokenizer
     prompts = [stdlib_ids(tokenizer, "heapq", 112), stdlib_ids(tokenizer, "bisect", 96,
                                                                  start=300)]
@@ -68,8 +72,8 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
         "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}} for ids in prompts]
     env = {"TRITON_INTERPRET": "1"}
     vericache = ["--enable-vericache", "--vericache-compressor", "kivi:bits=2,residual=32",
-                 "--vericache-drafter", "none", "--vericache-min-draft-length", "4",
-                 "--vericache-draft-length", "8"]
+                 "--vericache-drafter", "none", "--vericache-draft-length", "8",
+                 "--vericache-min-draft-length", "8", "--vericache-max-draft-length", "8"]
     servers = {"plain": ([], None),
                "device": ([*vericache, "--vericache-full-tier", "device"], "TritonAttnBackend"),
                "host": ([*vericache, "--vericache-full-tier", "host"],
@@ -85,7 +89,7 @@ def test_a_server_verifying_through_sglang_triton_backend_equals_plain_sglang(de
 
     # The three servers side by side: each interprets its kernels in one Python thread, so
     # two cores serve them together.
-    specs = [ServerSpec.of(demo_model, [*TRITON_SERVER_ARGS, *extra], env=env)
+    specs = [ServerSpec.of(model, [*TRITON_SERVER_ARGS, *extra], env=env)
              for extra, _ in servers.values()]
     with server_pool.hold(*specs) as started, ThreadPoolExecutor(len(servers)) as pool:
         outputs = dict(zip(servers, pool.map(answers, started,

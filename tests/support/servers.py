@@ -48,10 +48,16 @@ HOST_BUDGET = str(32768 * FULL_KV_BYTES_PER_TOKEN)
 """The session's VeriCache server keeps the full KV of as many tokens in host memory as plain
 SGLang's pool holds (--max-total-tokens 32768), so two servers take the same memory on CPU."""
 
+FIXED_DRAFT_LENGTH = ["--vericache-draft-length", "16", "--vericache-min-draft-length", "16",
+                      "--vericache-max-draft-length", "16"]
+"""Every round drafts 16 tokens, for the tests that count a round's drafts and rounds (the
+cost-based draft length takes plain steps where drafting does not pay on this CPU; it runs on
+the servers at every default)."""
+
 VERICACHE_HOST_ARGS = [*SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "kivi:bits=4",
-                       "--vericache-draft-length", "16", "--vericache-full-tier", "host",
+                       *FIXED_DRAFT_LENGTH, "--vericache-full-tier", "host",
                        "--vericache-full-tier-budget", HOST_BUDGET]
-"""The session's VeriCache server: 4-bit KIVI, draft length adapting from 16, the n-gram
+"""The session's VeriCache server: 4-bit KIVI, every round drafting 16 tokens, the n-gram
 drafter (VeriCache's default without a draft model), the full KV in host memory."""
 
 

@@ -134,6 +134,9 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         # context; checked against the pool before reuse, so a slot reused by another
         # request or a freed page only costs a fresh lookup).
         self._known_pages: dict[int, torch.Tensor] = {}
+        # Seconds spent looking up (and compressing) pool pages since the worker last took
+        # them: a one-off cost of a request's first drafting round, not of its draft length.
+        self._lookup_seconds = 0.0
         # Sliding-window layers: the round's request slots, and each window size's
         # (key rows, visibility) for the current rows.
         self._slots: list[int] = []
@@ -169,15 +172,24 @@ class DraftAttnBackend(TorchNativeAttnBackend):
                     max_steps: int) -> None:
         """Start drafting for a batch whose requests (at these request-pool slots) have these
         committed KV lengths. With a page pool, their whole old groups are looked up there (and
-        compressed, the first time any request needs them)."""
+        compressed, the first time any request needs them); a round of no drafts reads
+        nothing."""
         self.end_round()
         self._committed = list(committed_lens)
         self._slots = list(req_slots)
         self._max_steps = max_steps
         if max_steps > 0:
             self.set_step(0)
-        if self.pool is not None:
-            self._plan_pool_reads(req_slots)
+            if self.pool is not None:
+                began = time.perf_counter()
+                self._plan_pool_reads(req_slots)
+                self._lookup_seconds += time.perf_counter() - began
+
+    def take_lookup_seconds(self) -> float:
+        """Seconds of page lookups and compression since the last call (on a GPU, the host's
+        part: the kernels it queued are timed with the round)."""
+        seconds, self._lookup_seconds = self._lookup_seconds, 0.0
+        return seconds
 
     def set_step(self, step: int) -> None:
         """The next decode forward drafts from the token at committed length + `step`, one row

@@ -83,7 +83,7 @@ from vericache_sglang.speculative.meta_info import (
 )
 from vericache_sglang.speculative.parking import Parking
 from vericache_sglang.speculative.penalties import PenaltyStates, RoundPenalties
-from vericache_sglang.speculative.policy import DraftLengthPolicy
+from vericache_sglang.speculative.policy import DraftLengthPolicy, RoundLengthPolicy
 from vericache_sglang.speculative.round import Round, room
 from vericache_sglang.speculative.sampling import SamplingRows
 from vericache_sglang.speculative.statistics import WorkerStats, add_to_meta_info
@@ -110,7 +110,7 @@ class VeriCacheWorker(BaseSpecWorker):
         self.store_state = store_state(server_args)
         config = get_config(server_args)
         self.compressor = parse_compressor_spec(config.vericache_compressor)
-        self.policy = DraftLengthPolicy(
+        self.policy = RoundLengthPolicy(
             initial=config.vericache_draft_length,
             minimum=config.vericache_min_draft_length,
             maximum=config.vericache_max_draft_length,
@@ -458,8 +458,10 @@ class VeriCacheWorker(BaseSpecWorker):
         bonus = state.bonus_tokens.reshape(-1).to(torch.int64)
         if batch.return_hidden_states:
             return self._plain_decode(batch, committed, committed_cpu, bonus)
-        round_ = self._plan_round(batch, committed, committed_cpu, bonus)
+        began = time.perf_counter()
         backends = self.backends
+        backends.draft.take_lookup_seconds()  # an early drafting's, before this round
+        round_ = self._plan_round(batch, committed, committed_cpu, bonus)
         if round_.stashed:
             rids = [req.rid for req in batch.reqs]
             round_.tokens += self.stash.take(rids, round_.k, committed.device)
@@ -477,7 +479,14 @@ class VeriCacheWorker(BaseSpecWorker):
         logits_output = verify(self.forwards, backends.verify, batch, round_)
         if backends.full is not None:
             self.stats.peak(backends.full.round_buffer_bytes())
-        return self._accept(batch, round_, logits_output)
+        result = self._accept(batch, round_, logits_output)
+        # The policy weighs what the draft length costs: not the compression of pages new to
+        # the pool (a request's first drafting round pays it at any length), nor a stashed
+        # round, which verifies drafts made before it.
+        seconds = time.perf_counter() - began - backends.draft.take_lookup_seconds()
+        if not round_.stashed:
+            self.policy.record_round(len(batch.reqs), round_.k, seconds)
+        return result
 
     def _plan_round(self, batch, committed: torch.Tensor, committed_cpu: torch.Tensor,
                     bonus: torch.Tensor) -> Round:
@@ -488,7 +497,7 @@ class VeriCacheWorker(BaseSpecWorker):
                                get_exec().kernel.sampling_backend)
         rooms = room(batch.reqs)
         drafting = [i for i, d in enumerate(drafts) if d]
-        k = (min(self.policy.batch_length([batch.reqs[i].rid for i in drafting]),
+        k = (min(self.policy.batch_length([batch.reqs[i].rid for i in drafting], len(rooms)),
                  max(rooms[i] for i in drafting) - 1) if drafting else 0)
         # Drafts made before the exact KV (early.py): verified without drafting, while every
         # request of the batch has some and drafts.
@@ -496,6 +505,8 @@ class VeriCacheWorker(BaseSpecWorker):
                    and self.stash.length([req.rid for req in batch.reqs]))
         if stashed:
             k = min(stashed, self.max_draft_length, max(rooms) - 1)
+        if k == 0:  # a plain step for every request: SGLang's sampler takes each token
+            drafts = [False] * len(drafts)
         req_to_token = self.model_runner.req_to_token_pool.req_to_token
         positions = committed[:, None] + torch.arange(k + 1, device=committed.device)
         locs = req_to_token[batch.req_pool_indices.to(torch.int64)[:, None], positions]
