@@ -117,6 +117,8 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         # The rows of the next forward: request index (None: one row per request, in order)
         # and step of each row.
         self._row_requests: torch.Tensor | None = None
+        # The same on the host (every request once, in order, when None above).
+        self._row_request_ids: list[int] = []
         self._row_groups: _RowGroups | None = None
         self._row_steps: torch.Tensor | None = None
         self._last_step = 0
@@ -201,12 +203,14 @@ class DraftAttnBackend(TorchNativeAttnBackend):
         `steps[r]` of request `requests[r]` (an index into `begin_round`'s batch)."""
         device = self.req_to_token_pool.req_to_token.device
         self._set_rows(torch.tensor(requests, dtype=torch.int64, device=device), steps)
+        self._row_request_ids = list(requests)
         self._row_groups = _RowGroups.of(requests, device)
 
     def _set_rows(self, requests: torch.Tensor | None, steps: list[int]) -> None:
         if not all(0 <= step < self._max_steps for step in steps):
             raise ValueError(f"draft steps {steps} outside [0, {self._max_steps})")
         self._row_requests = requests
+        self._row_request_ids = list(range(len(self._committed)))
         self._row_groups = self._tail_heads = None
         self._row_steps = torch.tensor(steps, dtype=torch.int64,
                                        device=self.req_to_token_pool.req_to_token.device)
@@ -298,7 +302,7 @@ class DraftAttnBackend(TorchNativeAttnBackend):
             steps = (self._row_steps + 1).to(torch.int32)
             tail = kernels.decode_attention(q, None, tail_k, tail_v, steps, layer.scaling,
                                             logit_cap=logit_cap(layer))
-            prefix = self._tier_attention(q, layer, forward_batch.req_pool_indices.tolist())
+            prefix = self._tier_attention(q, layer)
             out, _ = kernels.merge_attention([prefix, tail])
         return out.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -381,16 +385,15 @@ class DraftAttnBackend(TorchNativeAttnBackend):
                                             logit_cap(layer))
         return out if groups is None else groups.unstack(out, lse, kv_heads)[0]
 
-    def _tier_attention(self, q: torch.Tensor, layer,
-                        slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over each request's own compressed block of its committed prefix."""
+    def _tier_attention(self, q: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over each row's request's own compressed block of its committed prefix
+        (request slots and rows from the host plan: nothing read back)."""
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
         outs, lses = [], []
-        requests = (range(len(slots)) if self._row_requests is None
-                    else self._row_requests.tolist())
-        for i, (slot, request) in enumerate(zip(slots, requests, strict=True)):
+        for i, request in enumerate(self._row_request_ids):
+            slot = self._slots[request]
             block = self.tier.block(
                 layer.layer_id, slot, req_to_token[slot, : self._committed[request]], k_buffer,
                 v_buffer, query=q[i], sm_scale=layer.scaling,

@@ -27,13 +27,12 @@ def draft_steps(forwards: TargetForwards, backend: DraftAttnBackend, batch,
     one)."""
     bs, grammar = len(batch.reqs), round_.grammar
     every = list(range(bs))
-    backend.begin_round(round_.slots, round_.committed_cpu.tolist(), round_.k)
+    backend.begin_round(round_.slots, round_.committed_host, round_.k)
     round_.forwards = [round_.k] * bs
     try:
         for step in range(round_.k):
             backend.set_step(step)
-            fb = draft_forward_batch(batch, round_, torch.arange(bs), torch.full((bs,), step),
-                                     round_.tokens[-1])
+            fb = draft_forward_batch(batch, round_, every, [step] * bs, round_.tokens[-1])
             logits = forwards.draft_logits(backend, fb, bs)
             round_.constrain(logits, every, [step] * bs,
                              partial(RoundGrammar.constrain_draft, logits=logits, step=step))
@@ -72,7 +71,7 @@ def draft_stacked(forwards: TargetForwards, backend: DraftAttnBackend, drafter: 
     probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # q of each draft (sampling)
     last = round_.tokens[0].tolist()
     device = round_.committed.device
-    backend.begin_round(round_.slots, round_.committed_cpu.tolist(), k)
+    backend.begin_round(round_.slots, round_.committed_host, k)
     try:
         active = list(range(bs))
         while active:
@@ -88,8 +87,7 @@ def draft_stacked(forwards: TargetForwards, backend: DraftAttnBackend, drafter: 
                     steps.append(len(chains[i]) + j)
                     ids.append(token)
             backend.set_rows(requests, steps)
-            rows, offsets = torch.tensor(requests), torch.tensor(steps)
-            fb = draft_forward_batch(batch, round_, rows, offsets,
+            fb = draft_forward_batch(batch, round_, requests, steps,
                                      torch.tensor(ids, device=device))
             logits = forwards.draft_logits(backend, fb, bs)
             offered = dict(zip(active, proposals, strict=True))
@@ -99,8 +97,8 @@ def draft_stacked(forwards: TargetForwards, backend: DraftAttnBackend, drafter: 
                     (i, len(chains[i]), proposal)
                     for i, proposal in zip(active, proposals, strict=True)]),
                 [chain + offered.get(i, []) for i, chain in enumerate(chains)])
-            checked = check_proposals(logits, round_.rows.take(rows.to(device)),
-                                      fb.positions, proposals)
+            rows = round_.rows.take(torch.tensor(requests, device=device))
+            checked = check_proposals(logits, rows, fb.positions, proposals)
             for i, proposal, (added, q) in zip(active, proposals, checked, strict=True):
                 kept = len(added) - 1
                 if grammar is not None:

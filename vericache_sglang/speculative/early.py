@@ -142,8 +142,8 @@ class EarlyDrafting:
             requests = [i for i in range(bs) for _ in range(self._suffix[i])]
             steps = [s for i in range(bs) for s in range(self._suffix[i])]
             self._backend.set_rows(requests, steps)
-            fb = draft_forward_batch(self.batch, self._round, torch.tensor(requests),
-                                     torch.tensor(steps), self._suffix_ids())
+            fb = draft_forward_batch(self.batch, self._round, requests, steps,
+                                     self._suffix_ids())
             logits = self._forwards.draft_logits(self._backend, fb, bs)
             ends = torch.tensor(self._suffix).cumsum(0) - 1
             self._last = self._choose(logits[ends.to(logits.device)],
@@ -151,8 +151,7 @@ class EarlyDrafting:
             return
         steps = [self._suffix[i] + len(self.drafts.tokens[i]) - 1 for i in range(bs)]
         self._backend.set_rows(list(range(bs)), steps)
-        fb = draft_forward_batch(self.batch, self._round, torch.arange(bs),
-                                 torch.tensor(steps), self._last)
+        fb = draft_forward_batch(self.batch, self._round, list(range(bs)), steps, self._last)
         self._last = self._choose(self._forwards.draft_logits(self._backend, fb, bs), steps)
 
     def _suffix_ids(self) -> torch.Tensor:

@@ -33,27 +33,33 @@ from vericache_sglang.speculative.round import Round
 def _forward_batch(mode: ForwardMode, *, input_ids: torch.Tensor,
                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                    seq_lens_cpu: torch.Tensor, out_cache_loc: torch.Tensor,
-                   positions: torch.Tensor, **fields: Any) -> ForwardBatch:
-    """The fields every round forward sets; `fields` adds the mode's own."""
+                   positions: torch.Tensor, seq_lens_sum: int | None = None,
+                   **fields: Any) -> ForwardBatch:
+    """The fields every round forward sets; `fields` adds the mode's own. `seq_lens_sum`, where
+    the caller knows it, spares reading the host lengths back."""
+    if seq_lens_sum is None:
+        seq_lens_sum = int(seq_lens_cpu.sum())
     return ForwardBatch(
         forward_mode=mode, batch_size=len(req_pool_indices), input_ids=input_ids,
         req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
-        seq_lens_sum=int(seq_lens_cpu.sum()), seq_lens_cpu=seq_lens_cpu, positions=positions,
-        **fields,
+        seq_lens_sum=seq_lens_sum, seq_lens_cpu=seq_lens_cpu, positions=positions, **fields,
     )
 
 
-def draft_forward_batch(batch, round_: Round, requests: torch.Tensor, steps: torch.Tensor,
+def draft_forward_batch(batch, round_: Round, requests: list[int], steps: list[int],
                         input_ids: torch.Tensor) -> ForwardBatch:
     """A forward over the compressed tier whose rows are the tokens at committed length +
-    `steps[r]` of request `requests[r]` (host tensors)."""
+    `steps[r]` of request `requests[r]`. Built from the round's host plan: no value is read
+    back from the device (a drafting step can be captured as a CUDA graph)."""
     device = round_.committed.device
-    lens_cpu = round_.committed_cpu[requests] + steps + 1
-    rows, steps_dev = requests.to(device), steps.to(device)
+    lens = [round_.committed_host[r] + s + 1 for r, s in zip(requests, steps, strict=True)]
+    rows = torch.tensor(requests, dtype=torch.int64, device=device)
+    steps_dev = torch.tensor(steps, dtype=torch.int64, device=device)
     positions = round_.committed[rows] + steps_dev
     return _forward_batch(
         ForwardMode.DECODE, input_ids=input_ids, req_pool_indices=batch.req_pool_indices[rows],
-        seq_lens=positions + 1, seq_lens_cpu=lens_cpu, out_cache_loc=round_.locs[rows, steps_dev],
+        seq_lens=positions + 1, seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens),
+        out_cache_loc=round_.locs[rows, steps_dev],
         positions=positions, spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
         capture_hidden_mode=CaptureHiddenMode.NULL, return_hidden_states_before_norm=False,
     )

@@ -51,6 +51,12 @@ class Round:
     """Of those, the tokens level 1 kept as drafts."""
     stashed: bool = False
     """The drafts are the requests' stashes, made before the exact KV (`early.py`)."""
+    committed_host: list[int] = field(init=False)
+    """`committed_cpu` as Python ints, read once when the round is planned: the drafting steps
+    build their forwards from it."""
+
+    def __post_init__(self) -> None:
+        self.committed_host = self.committed_cpu.tolist()
 
     def chain(self) -> torch.Tensor:
         """[bs, k + 1]: t0, d1..dk."""
