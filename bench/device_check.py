@@ -13,6 +13,8 @@ OUT_DIR/device_check.txt at the end):
   device, bits 2/4/8, GQA, ragged requests, a shuffled page pool;
 - attention: one layer's draft-step attention, 4-bit packed pages (the Triton kernel) against
   dense bf16 attention (torch SDPA), at a model's geometry on random data, by context and batch;
+- graphs: a drafting step's attention over every layer, launched eagerly against replayed from
+  the CUDA graph captured for its batch bucket (`vericache_kernels.graphs`), outputs equal;
 - copy: the host tier's copy engine, host-to-device GB/s layer by layer, and the share of that
   copy hidden behind a stream running draft-step attention;
 - codec: the KV codec's rANS lane decoders (`vericache_kernels.rans_triton`) against the numba
@@ -26,6 +28,7 @@ On a CPU the kernel section compares the CPU kernel with the reference instead (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -46,6 +49,7 @@ from vericache_kernels.attention_ref import (
     merge_attention,
     tail_attention_ref,
 )
+from vericache_kernels.graphs import BucketGraphs, bucket_for
 from vericache_kernels.quant_ref import dequantize_unpack_ref, quantize_pack_ref
 from vericache_sglang.compress.base import storage_bytes
 from vericache_sglang.tiers.copy_engine import measure_copy
@@ -345,6 +349,55 @@ def time_attention_row(device: torch.device, sizes: Sizes, context: int, batch: 
     return row
 
 
+def time_graphs(device: torch.device, sizes: Sizes) -> dict:
+    """A drafting step's attention over every layer (the packed kernel with pages, exact window
+    and draft tail, each layer's output the next one's query, as in a model) launched eagerly
+    against replayed from a CUDA graph captured for its batch bucket (`vericache_kernels.graphs`):
+    what launch overhead costs a small-batch step. Off CUDA the runner runs eagerly (no replay
+    to time); the outputs must match either way."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    batches = (1, 3, 16) if device.type == "cuda" else (1, 3)
+    rows = [time_graphs_row(device, sizes, batch, [1, 2, 4, 8, 16], gen) for batch in batches]
+    return {"rows": rows, "ok": all(row["max_abs_diff"] <= 1e-5 for row in rows)}
+
+
+def time_graphs_row(device: torch.device, sizes: Sizes, batch: int, buckets: list[int],
+                    gen: torch.Generator) -> dict:
+    """`batch` requests at the smallest context, on a shuffled page pool."""
+    heads, dim, context = sizes.kv_heads, sizes.head_dim, sizes.contexts[0]
+    scale = dim ** -0.5
+    n_pages = (context - sizes.window) // GROUP
+    paged = paged_pool([n_pages] * batch, heads, dim, BITS, GROUP, device, gen, shuffle=True)
+    window = context - n_pages * GROUP
+
+    def step(q, page_table, lengths, k_res, v_res, res_lengths, tail_k, tail_v, head_lengths):
+        layer_kv = dataclasses.replace(paged, page_table=page_table, lengths=lengths)
+        for _ in range(sizes.layers):
+            out, _ = kernels.decode_attention(q, layer_kv, k_res, v_res, res_lengths, scale,
+                                              (tail_k, tail_v, head_lengths))
+            q = out.to(q.dtype)
+        return q
+
+    inputs = (torch.randn(batch, sizes.q_heads, dim, generator=gen, device=device),
+              paged.page_table, paged.lengths,
+              *(torch.randn(batch, window, heads, dim, generator=gen, device=device,
+                            dtype=torch.bfloat16) for _ in range(2)),
+              torch.full((batch,), window, dtype=torch.int32, device=device),
+              *(torch.randn(batch, sizes.draft, heads, dim, generator=gen, device=device)
+                for _ in range(2)),
+              torch.full((batch, sizes.q_heads), sizes.draft, dtype=torch.int32, device=device))
+    graphs = BucketGraphs(step, buckets, device)
+    reps = 50 if device.type == "cuda" else 2
+    row = {"batch": batch, "bucket": bucket_for(batch, buckets), "layers": sizes.layers,
+           "context": context, "captured": graphs.use_graphs,
+           "max_abs_diff": (step(*inputs) - graphs(*inputs)).abs().max().item(),
+           "eager_s": timed(lambda: step(*inputs), device, reps)}
+    if graphs.use_graphs:
+        row["replay_s"] = timed(lambda: graphs(*inputs), device, reps)
+        row["speedup"] = row["eager_s"] / row["replay_s"]
+    return row
+
+
 def time_copy(device: torch.device, sizes: Sizes) -> dict:
     """The copy engine moving `copy_tokens` rows of one request's full KV per layer to the
     device, alone and behind a round's drafting: per layer, `draft` steps that each read the
@@ -544,6 +597,14 @@ def summary(report: Report) -> None:
                 f"{guess.get('packed_measured_s', math.nan) * 1e3:>7.3f} "
                 f"{row['speedup']:>6.2f}x {row['dense_gbps']:>10.1f} {row['packed_gbps']:>11.1f}  "
                 f"{row['packed_best']}")
+    graphs = sections.get("graphs", {})
+    if graphs.get("rows"):
+        report.text("\ndrafting step attention, every layer, eager vs CUDA graph replay:")
+        for row in graphs["rows"]:
+            report.text(f"  batch {row['batch']:>3} (bucket {row['bucket']:>3}): eager "
+                        f"{row['eager_s'] * 1e3:8.3f} ms, replay "
+                        f"{row.get('replay_s', math.nan) * 1e3:8.3f} ms, "
+                        f"{row.get('speedup', math.nan):.2f}x, max diff {row['max_abs_diff']:.2e}")
     copy = sections["copy"]
     if copy["ok"]:
         report.text(f"\ncopy engine: H2D {copy['h2d_gbps']:.1f} GB/s (event-timed), "
@@ -589,6 +650,7 @@ def run(out: Path, device: torch.device, small: bool, budget_s: float = 300) -> 
     report = Report(out, device)
     report.section("kernels", lambda: check_kernels(device))
     report.section("attention", lambda: time_attention(device, sizes, budget_s))
+    report.section("graphs", lambda: time_graphs(device, sizes))
     report.section("copy", lambda: time_copy(device, sizes))
     report.section("codec", lambda: check_codec(device, small))
     report.section("model", lambda: compare_model(device, small, report.data["sections"]))

@@ -13,7 +13,7 @@ def test_device_check_runs_every_section_at_toy_sizes(tmp_path) -> None:
     code = device_check.main([str(tmp_path), "--small", "--device", "cpu"])
     report = json.loads((tmp_path / "device_check.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"kernels", "attention", "copy", "codec", "model"}
+    assert set(sections) == {"kernels", "attention", "graphs", "copy", "codec", "model"}
     failed = {name: s.get("error") for name, s in sections.items() if not s["ok"]}
     assert not failed, failed
     kernels = sections["kernels"]
@@ -27,6 +27,10 @@ def test_device_check_runs_every_section_at_toy_sizes(tmp_path) -> None:
         # the packed tier is allocated smaller than dense bf16 over the same context
         assert 0 < row["packed_bytes"] < row["dense_bytes"]
         assert row["dense_s"] > 0 and row["packed_best_s"] > 0
+    # off CUDA the graph runner runs the step eagerly: same outputs, no replay timed
+    graphs = sections["graphs"]["rows"]
+    assert [r["bucket"] for r in graphs] == [1, 4]
+    assert all(not r["captured"] and r["max_abs_diff"] == 0 for r in graphs)
     copy = sections["copy"]
     # bytes moved: K and V of copy_tokens rows per layer, bf16, counted by the engine
     assert copy["bytes"] == 2 * sizes.layers * sizes.copy_tokens * sizes.kv_heads \
