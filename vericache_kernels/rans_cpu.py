@@ -85,6 +85,33 @@ def _plan(code: int, scale: np.float32, zero: np.float32, kind: int, mantissa: i
     return oa - margin, count, narrow, max(ma, mb) >> mantissa
 
 
+# -- the coder's tables (rans_ref.normalize, one table block) -----------------------------------
+
+@numba.njit("void(uint8[:, ::1], int64[:, ::1])", cache=True, nogil=True)
+def normalize_into(tables, cum):
+    """`rans_ref.normalize` of 8-bit histograms `tables` [T, K] into `cum` [T, 2**width + 1]
+    (a decoder's tables, 11,520 a level-0 chunk: numpy's dozen passes over them took 3 ms)."""
+    k = tables.shape[1]
+    for r in range(tables.shape[0]):
+        total, top = np.int64(0), 0
+        for s in range(k):
+            v = np.int64(tables[r, s])
+            total += v
+            if v > tables[r, top]:
+                top = s  # the first largest, as argmax
+        cum[r, :] = 1 << PROB_BITS
+        if total == 0:
+            continue
+        rest = np.int64(1 << PROB_BITS)
+        for s in range(k):
+            rest -= (np.int64(tables[r, s]) << PROB_BITS) // total
+        cum[r, 0] = 0
+        acc = np.int64(0)
+        for s in range(k):
+            acc += (np.int64(tables[r, s]) << PROB_BITS) // total + (rest if s == top else 0)
+            cum[r, s + 1] = acc
+
+
 # -- encoder: symbols are put in reverse; words come out reversed -------------------------------
 
 @_jit
@@ -352,6 +379,134 @@ def _start(words: np.ndarray, ptr: int, j: int) -> int:
     return (np.int64(words[ptr + 2 * j]) << 16) | np.int64(words[ptr + 2 * j + 1])
 
 
+BLOCK = 16
+"""Lanes the level decoder advances in lockstep: their 4 * BLOCK coder states are independent,
+so each step's arithmetic is one loop over them that LLVM vectorises (a lane alone has four
+dependency chains, a dozen dependent instructions each)."""
+COUNTED_BITS = 4
+"""Widest table whose symbol is found by counting the bounds below the slot (2**bits - 1
+comparisons, vectorised); wider ones search."""
+
+
+@_jit
+def _lane_block(words, starts, flat, row_size, base, width, by_code, out, kind, lane, li, nb,
+                nch, lane_channels, tokens, group, x, sym, rows, ptrs, k1, k2, k3,
+                bound) -> bool:
+    """Decode `nb` lanes of one pair from its lane `lane` (the stream's lane `li`), each of
+    `nch` channels, in lockstep: block lane b's state q is x[4 * b + q]. False when a lane does
+    not decode."""
+    last = np.uint64(len(words) - 1)
+    n = nb * STATES
+    channels = len(out) // tokens
+    # K codes [n/g, H, D, g]: a channel's g tokens in a row, then its next group's;
+    # V codes [n, H, D]: a channel's tokens `channels` apart
+    run, stride, jump = (group, 1, channels * group) if kind == 0 else (tokens, channels, 0)
+    lane_step = lane_channels * (group if kind == 0 else 1)
+    for b in range(nb):
+        ptr, end = starts[li + b], starts[li + b + 1]
+        if end - ptr < 2 * STATES:
+            return False
+        for q in range(STATES):
+            x[b * STATES + q] = _start(words, ptr, q)
+        ptrs[b] = ptr + 2 * STATES
+    # width <= 2: the symbol and its range as arithmetic on comparisons with the table's three
+    # bounds (k1..k3, per state), no loads in the vectorised loop; up to COUNTED_BITS: the
+    # symbol as a count of bounds, its range loaded; wider: a binary search per state
+    direct = width <= 2 and row_size >= 5
+    counted = not direct and width <= COUNTED_BITS
+    empty = False
+    fmin = np.int64(1)
+    for cc in range(nch):
+        c = lane * lane_channels + cc
+        for z in range(n):  # per channel tables: each state's row
+            rows[z] = np.uint64(base + c + z // STATES * lane_channels) * row_size
+        if not by_code:
+            for z in range(n):
+                row = rows[z]
+                empty |= flat[row] != 0
+                if direct:
+                    k1[z] = flat[row + np.uint64(1)]
+                    k2[z] = flat[row + np.uint64(2)]
+                    k3[z] = flat[row + np.uint64(3)]
+                elif counted:
+                    for j in range(1, 1 << width):
+                        bound[j, z] = flat[row + np.uint64(j)]
+        start = c * group if kind == 0 else c
+        for t0 in range(0, tokens, run):
+            i = start + t0 // run * jump
+            for _ in range(run // STATES):
+                if by_code:  # a table per previous code: each state's, every step
+                    for z in range(n):
+                        at = np.uint64(i + z // STATES * lane_step + z % STATES * stride)
+                        row = np.uint64(base + np.int64(out[at])) * row_size
+                        rows[z] = row
+                        if direct:
+                            empty |= flat[row] != 0
+                            k1[z] = flat[row + np.uint64(1)]
+                            k2[z] = flat[row + np.uint64(2)]
+                            k3[z] = flat[row + np.uint64(3)]
+                if direct:
+                    for z in range(n):
+                        v = x[z]
+                        slot = v & 0xFFFF
+                        e1, e2, e3 = k1[z], k2[z], k3[z]
+                        b1 = np.int64(slot >= e1)
+                        b2 = np.int64(slot >= e2)
+                        b3 = np.int64(slot >= e3)
+                        lo = b1 * e1 + b2 * (e2 - e1) + b3 * (e3 - e2)
+                        f = e1 + b1 * (e2 - 2 * e1) + b2 * (e3 - 2 * e2 + e1) + b3 * (
+                            (1 << PROB_BITS) - 2 * e3 + e2)
+                        x[z] = f * (v >> 16) + slot - lo
+                        sym[z] = b1 + b2 + b3
+                elif counted and not by_code:
+                    for z in range(n):
+                        sym[z] = 0
+                    for j in range(1, 1 << width):
+                        for z in range(n):
+                            sym[z] += np.int64((x[z] & 0xFFFF) >= bound[j, z])
+                    for z in range(n):
+                        v = x[z]
+                        at = rows[z] + np.uint64(sym[z])
+                        lo = flat[at]
+                        f = flat[at + np.uint64(1)] - lo
+                        fmin = min(fmin, f)
+                        x[z] = f * (v >> 16) + (v & 0xFFFF) - lo
+                else:
+                    for z in range(n):
+                        row = rows[z]
+                        v = x[z]
+                        slot = v & 0xFFFF
+                        s = _search(flat, row, slot, width)
+                        lo = flat[row + s]
+                        f = flat[row + s + np.uint64(1)] - lo
+                        fmin = min(fmin, f)
+                        x[z] = f * (v >> 16) + slot - lo
+                        sym[z] = np.int64(s)
+                # renormalise: a lane's states read its words in turn (m: x < L as a mask)
+                for b in range(nb):
+                    ptr = ptrs[b]
+                    for q in range(STATES):
+                        z = b * STATES + q
+                        v = x[z]
+                        m = (v - _LOW) >> 63
+                        x[z] = (v << (16 & m)) | (np.int64(words[min(np.uint64(ptr), last)]) & m)
+                        ptr -= m
+                    ptrs[b] = ptr
+                for z in range(n):
+                    at = np.uint64(i + z // STATES * lane_step + z % STATES * stride)
+                    out[at] = (np.int64(out[at]) << width) | sym[z]
+                i += STATES * stride
+    if empty or fmin <= 0:
+        return False
+    for b in range(nb):
+        if ptrs[b] != starts[li + b + 1]:
+            return False
+    for z in range(n):
+        if x[z] != _LOW:
+            return False
+    return True
+
+
 @numba.njit(
     "boolean(uint16[::1], int64[::1], int64[:, ::1], int64[:, ::1], int64[::1], int64[::1],"
     " boolean, uint8[:, :, ::1], int64, int64, int64)", cache=True, nogil=True)
@@ -359,71 +514,37 @@ def decode_level(words, starts, cum, pairs, table_base, widths, by_code, codes, 
                  lane_channels):
     """Inverse of `encode_level`: shift each coded pair's codes left by its width and add the
     decoded bits. False when a lane does not decode (lands on an empty table, or does not end
-    with every state at L and exactly its words read). The symbol step is written out here
-    rather than called: numba's calls returning tuples cost a third more."""
+    with every state at L and exactly its words read)."""
     channels = codes.shape[2] // tokens
     per = (channels + lane_channels - 1) // lane_channels
+    full = channels // lane_channels
     steps = _bit_length(cum.shape[1] - 1) - 1
     row_size = np.uint64((1 << steps) + 1)
     if cum.shape[1] != row_size or steps > 8:
         return False
     flat = cum.ravel()
-    last = len(words) - 1
+    slots = BLOCK * STATES
+    x, sym, k1, k2, k3 = (np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64),
+                          np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64),
+                          np.empty(slots, dtype=np.int64))
+    rows = np.empty(slots, dtype=np.uint64)
+    bound = np.empty((1 << COUNTED_BITS, slots), dtype=np.int64)
+    ptrs = np.empty(BLOCK, dtype=np.int64)
     for p in range(len(pairs)):
         layer, kind = pairs[p, 0], pairs[p, 1]
         width = widths[layer]
         if width > steps:
             return False
-        base = table_base[p]
-        out = codes[layer, kind]
-        # K codes [n/g, H, D, g]: a channel's g tokens in a row, then its next group's;
-        # V codes [n, H, D]: a channel's tokens `channels` apart
-        run, stride, jump = (group, 1, channels * group) if kind == 0 else (tokens, channels, 0)
-        for lane in range(per):
-            li = p * per + lane
-            ptr, end = starts[li], starts[li + 1]
-            if end - ptr < 2 * STATES:
+        lane = 0
+        while lane < per:  # blocks of whole lanes, then a last narrower lane alone
+            nb = min(BLOCK, full - lane) if lane < full else 1
+            nch = lane_channels if lane < full else channels - full * lane_channels
+            if not _lane_block(words, starts, flat, row_size, table_base[p], width, by_code,
+                               codes[layer, kind], kind, lane, p * per + lane, nb, nch,
+                               lane_channels, tokens, group, x, sym, rows, ptrs, k1, k2, k3,
+                               bound):
                 return False
-            x0, x1 = _start(words, ptr, 0), _start(words, ptr, 1)
-            x2, x3 = _start(words, ptr, 2), _start(words, ptr, 3)
-            ptr += 2 * STATES
-            empty = False
-            first = lane * lane_channels
-            for c in range(first, min(first + lane_channels, channels)):
-                row = np.uint64(base + c) * row_size
-                start = c * group if kind == 0 else c
-                for t0 in range(0, tokens, run):
-                    i = start + t0 // run * jump
-                    for _ in range(run // STATES):
-                        for q in range(STATES):
-                            x = x0 if q == 0 else x1 if q == 1 else x2 if q == 2 else x3
-                            at = np.uint64(i + q * stride)
-                            old = np.int64(out[at])
-                            at_row = np.uint64(base + old) * row_size if by_code else row
-                            slot = x & 0xFFFF
-                            # the layer's own width of steps: entries past its 2**width
-                            # symbols hold 2**16, which no slot reaches
-                            s = _search(flat, at_row, slot, width)
-                            lo = flat[at_row + s]
-                            f = flat[at_row + s + np.uint64(1)] - lo
-                            empty |= f <= 0
-                            x = f * (x >> 16) + slot - lo
-                            m = (x - _LOW) >> 63  # as in _take
-                            x = (x << (16 & m)) | (np.int64(words[min(ptr, last)]) & m)
-                            ptr -= m
-                            out[at] = (old << width) | np.int64(s)
-                            if q == 0:
-                                x0 = x
-                            elif q == 1:
-                                x1 = x
-                            elif q == 2:
-                                x2 = x
-                            else:
-                                x3 = x
-                        i += STATES * stride
-            if empty or max(x0, x1, x2, x3) != _LOW or min(x0, x1, x2, x3) != _LOW or (
-                    ptr != end):
-                return False
+            lane += nb
     return True
 
 

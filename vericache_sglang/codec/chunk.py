@@ -219,11 +219,13 @@ def _cum(tables: list[np.ndarray], widths: list[int]) -> tuple[np.ndarray, np.nd
     """The coder's tables of a part's table blocks, padded to its widest, and each block's
     first row."""
     widest = max(widths, default=0)
-    cum = [rans_ref.normalize(t, widest) for t in tables]
-    base = np.cumsum([0] + [len(t) for t in tables])[:-1].astype(np.int64)
-    if not cum:
-        return np.zeros((0, 2), dtype=np.int64), base
-    return np.ascontiguousarray(np.concatenate(cum)), base
+    base = np.cumsum([0] + [len(t) for t in tables]).astype(np.int64)
+    if not tables:
+        return np.zeros((0, 2), dtype=np.int64), base[:-1]
+    cum = np.empty((base[-1], (1 << widest) + 1), dtype=np.int64)
+    for t, first, end in zip(tables, base[:-1], base[1:], strict=True):
+        rans_cpu.normalize_into(np.ascontiguousarray(t), cum[first:end])
+    return cum, base[:-1]
 
 
 def _layer_codes(tiers: list[QuantTier]) -> np.ndarray:

@@ -43,8 +43,8 @@ def pack_tables(tables: list[np.ndarray], level: int) -> bytes:
 def unpack_tables(section: memoryview, sizes: list[tuple[int, int]]) -> list[np.ndarray]:
     """Inverse of `pack_tables`, given each table block's (rows, symbols)."""
     total = sum(rows * symbols for rows, symbols in sizes)
-    flat = np.frombuffer(zstandard.ZstdDecompressor().decompress(
-        bytes(section), max_output_size=max(total, 1)), dtype=np.uint8)
+    flat = np.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(
+        bytes(section), max_output_size=max(total, 1))), dtype=np.uint8)  # writable: numba
     if flat.size != total:
         raise StreamForeign("KV stream tables have the wrong size")
     out, pos = [], 0
