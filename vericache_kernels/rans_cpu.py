@@ -112,6 +112,20 @@ def normalize_into(tables, cum):
             cum[r, s + 1] = acc
 
 
+@numba.njit("uint8[::1](uint8[::1], int64)", cache=True, nogil=True)
+def pack_codes(codes, bits):
+    """`vericache_kernels.pack_codes` of the decoded codes, flat (the packing runs along the last
+    axis, so flat is the same): one pass, where torch's shift-or per lane took 3 ms a chunk."""
+    per = 8 // bits
+    out = np.empty(len(codes) // per, dtype=np.uint8)
+    for j in range(len(out)):
+        v = np.uint8(0)
+        for lane in range(per):
+            v |= codes[j * per + lane] << np.uint8(lane * bits)
+        out[j] = v
+    return out
+
+
 # -- encoder: symbols are put in reverse; words come out reversed -------------------------------
 
 @_jit
@@ -383,9 +397,6 @@ BLOCK = 16
 """Lanes the level decoder advances in lockstep: their 4 * BLOCK coder states are independent,
 so each step's arithmetic is one loop over them that LLVM vectorises (a lane alone has four
 dependency chains, a dozen dependent instructions each)."""
-COUNTED_BITS = 4
-"""Widest table whose symbol is found by counting the bounds below the slot (2**bits - 1
-comparisons, vectorised); wider ones search."""
 
 
 @_jit
@@ -410,10 +421,11 @@ def _lane_block(words, starts, flat, row_size, base, width, by_code, out, kind, 
             x[b * STATES + q] = _start(words, ptr, q)
         ptrs[b] = ptr + 2 * STATES
     # width <= 2: the symbol and its range as arithmetic on comparisons with the table's three
-    # bounds (k1..k3, per state), no loads in the vectorised loop; up to COUNTED_BITS: the
-    # symbol as a count of bounds, its range loaded; wider: a binary search per state
+    # bounds (k1..k3, per state), no loads in the vectorised loop (a binary search's dependent
+    # loads do not vectorise); 3 or 4 bits (rows of 17): the same twice, the quarter and then
+    # the symbol in it (per channel tables); wider, or per code: a binary search per state
     direct = width <= 2 and row_size >= 5
-    counted = not direct and width <= COUNTED_BITS
+    quartered = not direct and width <= 4 and row_size >= 17
     empty = False
     fmin = np.int64(1)
     for cc in range(nch):
@@ -428,8 +440,8 @@ def _lane_block(words, starts, flat, row_size, base, width, by_code, out, kind, 
                     k1[z] = flat[row + np.uint64(1)]
                     k2[z] = flat[row + np.uint64(2)]
                     k3[z] = flat[row + np.uint64(3)]
-                elif counted:
-                    for j in range(1, 1 << width):
+                elif quartered:
+                    for j in range(1, 17):
                         bound[j, z] = flat[row + np.uint64(j)]
         start = c * group if kind == 0 else c
         for t0 in range(0, tokens, run):
@@ -458,19 +470,32 @@ def _lane_block(words, starts, flat, row_size, base, width, by_code, out, kind, 
                             (1 << PROB_BITS) - 2 * e3 + e2)
                         x[z] = f * (v >> 16) + slot - lo
                         sym[z] = b1 + b2 + b3
-                elif counted and not by_code:
-                    for z in range(n):
-                        sym[z] = 0
-                    for j in range(1, 1 << width):
-                        for z in range(n):
-                            sym[z] += np.int64((x[z] & 0xFFFF) >= bound[j, z])
+                elif quartered and not by_code:
                     for z in range(n):
                         v = x[z]
-                        at = rows[z] + np.uint64(sym[z])
-                        lo = flat[at]
-                        f = flat[at + np.uint64(1)] - lo
-                        fmin = min(fmin, f)
-                        x[z] = f * (v >> 16) + (v & 0xFFFF) - lo
+                        slot = v & 0xFFFF
+                        # the quarter: bounds 4, 8, 12; then the symbol in it: its 3 bounds
+                        h1 = np.int64(slot >= bound[4, z])
+                        h2 = np.int64(slot >= bound[8, z])
+                        h3 = np.int64(slot >= bound[12, z])
+                        e0 = h1 * bound[4, z] + h2 * (bound[8, z] - bound[4, z]) + h3 * (
+                            bound[12, z] - bound[8, z])
+                        e4 = bound[4, z] + h1 * (bound[8, z] - bound[4, z]) + h2 * (
+                            bound[12, z] - bound[8, z]) + h3 * (bound[16, z] - bound[12, z])
+                        e1 = bound[1, z] + h1 * (bound[5, z] - bound[1, z]) + h2 * (
+                            bound[9, z] - bound[5, z]) + h3 * (bound[13, z] - bound[9, z])
+                        e2 = bound[2, z] + h1 * (bound[6, z] - bound[2, z]) + h2 * (
+                            bound[10, z] - bound[6, z]) + h3 * (bound[14, z] - bound[10, z])
+                        e3 = bound[3, z] + h1 * (bound[7, z] - bound[3, z]) + h2 * (
+                            bound[11, z] - bound[7, z]) + h3 * (bound[15, z] - bound[11, z])
+                        c1 = np.int64(slot >= e1)
+                        c2 = np.int64(slot >= e2)
+                        c3 = np.int64(slot >= e3)
+                        lo = e0 + c1 * (e1 - e0) + c2 * (e2 - e1) + c3 * (e3 - e2)
+                        f = e1 - e0 + c1 * (e2 - 2 * e1 + e0) + c2 * (e3 - 2 * e2 + e1) + c3 * (
+                            e4 - 2 * e3 + e2)
+                        x[z] = f * (v >> 16) + slot - lo
+                        sym[z] = 4 * (h1 + h2 + h3) + c1 + c2 + c3
                 else:
                     for z in range(n):
                         row = rows[z]
@@ -528,7 +553,7 @@ def decode_level(words, starts, cum, pairs, table_base, widths, by_code, codes, 
                           np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64),
                           np.empty(slots, dtype=np.int64))
     rows = np.empty(slots, dtype=np.uint64)
-    bound = np.empty((1 << COUNTED_BITS, slots), dtype=np.int64)
+    bound = np.empty((17, slots), dtype=np.int64)  # a 4-bit table's cum[1..16] per state
     ptrs = np.empty(BLOCK, dtype=np.int64)
     for p in range(len(pairs)):
         layer, kind = pairs[p, 0], pairs[p, 1]

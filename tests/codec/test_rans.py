@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import vericache_kernels as kernels
 from tests.support.interpreter import INTERPRETING, interpreter_only, rerun_under_interpreter
 from vericache_kernels import rans_cpu, rans_ref
 from vericache_sglang.codec import CodecSpec, StreamForeign, decode_chunk, encode_chunk
@@ -101,7 +102,7 @@ def test_the_triton_kernels_decode_what_numba_decodes(model_kv, tmp_path: Path,
     path = tmp_path / "cases.pkl"
     path.write_bytes(pickle.dumps(all_cases(model_kv, lane_channels=2)))
     monkeypatch.setenv(CASES, str(path))
-    rerun_under_interpreter(__file__, skipped=5)
+    rerun_under_interpreter(__file__, skipped=6)
 
 
 @interpreter_only
@@ -174,3 +175,15 @@ def test_a_narrower_last_lane_decodes(model_kv):
                 else:
                     assert rans_ref.decode_exact_ref(*args)
                     assert np.array_equal(args[-1], want)
+
+
+@not_interpreting
+def test_the_numba_packing_is_the_pools():
+    """The decoded codes packed by `rans_cpu.pack_codes` are `vericache_kernels.pack_codes`'s
+    pages, byte for byte."""
+    rng = np.random.default_rng(0)
+    for bits in (2, 4, 8):
+        codes = rng.integers(0, 1 << bits, (2, 8, 3, 64, 32)).astype(np.uint8)
+        want = kernels.pack_codes(torch.from_numpy(codes), bits).numpy()
+        assert np.array_equal(rans_cpu.pack_codes(codes.ravel(), bits).reshape(want.shape),
+                              want), bits

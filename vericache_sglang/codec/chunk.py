@@ -413,10 +413,9 @@ def _tiers(header: Header, geo: Geometry, codes: np.ndarray, meta: list[torch.Te
     for b, p in sorted(set(zip(bits, pool, strict=True))):
         members = [layer for layer in range(layers) if (bits[layer], pool[layer]) == (b, p)]
         sel = torch.tensor(members)
-        kc = kernels.pack_codes(torch.from_numpy(
-            codes[members, 0].reshape(len(members), *geo.k_codes)), b)
-        vc = kernels.pack_codes(torch.from_numpy(
-            codes[members, 1].reshape(len(members), *geo.v_codes)), b)
+        kc, vc = (torch.from_numpy(rans_cpu.pack_codes(codes[members, kind].ravel(), b)).reshape(
+            len(members), *shape[:-1], shape[-1] * b // 8)
+            for kind, shape in ((0, geo.k_codes), (1, geo.v_codes)))
         ks, kz, vs, vz = (m[sel] for m in meta)
         if b != p:
             (ks, kz), (vs, vz) = _coarse_meta(ks, kz, p - b), _coarse_meta(vs, vz, p - b)
