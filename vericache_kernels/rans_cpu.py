@@ -112,17 +112,24 @@ def normalize_into(tables, cum):
             cum[r, s + 1] = acc
 
 
-@numba.njit("uint8[::1](uint8[::1], int64)", cache=True, nogil=True)
-def pack_codes(codes, bits):
-    """`vericache_kernels.pack_codes` of the decoded codes, flat (the packing runs along the last
-    axis, so flat is the same): one pass, where torch's shift-or per lane took 3 ms a chunk."""
-    per = 8 // bits
-    out = np.empty(len(codes) // per, dtype=np.uint8)
-    for j in range(len(out)):
-        v = np.uint8(0)
-        for lane in range(per):
-            v |= codes[j * per + lane] << np.uint8(lane * bits)
-        out[j] = v
+@numba.njit("uint8[:, ::1](uint8[:, :, ::1], int64[::1], int64, int64)", cache=True, nogil=True)
+def pack_codes(codes, layers, kind, bits):
+    """`vericache_kernels.pack_codes` of `codes[layer, kind]` (decoded, [L, 2, n * H * D]) for
+    each of `layers`, flat (the packing runs along the last axis, so flat is the same): one
+    pass, a loop per width so it vectorises (torch's shift-or per lane took 3 ms a chunk)."""
+    n = codes.shape[2]
+    out = np.empty((len(layers), n * bits // 8), dtype=np.uint8)
+    for r in range(len(layers)):
+        c, o = codes[layers[r], kind], out[r]
+        if bits == 8:
+            o[:] = c
+        elif bits == 4:
+            for j in range(len(o)):
+                o[j] = c[2 * j] | (c[2 * j + 1] << np.uint8(4))
+        else:
+            for j in range(len(o)):
+                o[j] = c[4 * j] | (c[4 * j + 1] << np.uint8(2)) | (
+                    c[4 * j + 2] << np.uint8(4)) | (c[4 * j + 3] << np.uint8(6))
     return out
 
 

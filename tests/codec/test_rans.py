@@ -183,7 +183,8 @@ def test_the_numba_packing_is_the_pools():
     pages, byte for byte."""
     rng = np.random.default_rng(0)
     for bits in (2, 4, 8):
-        codes = rng.integers(0, 1 << bits, (2, 8, 3, 64, 32)).astype(np.uint8)
-        want = kernels.pack_codes(torch.from_numpy(codes), bits).numpy()
-        assert np.array_equal(rans_cpu.pack_codes(codes.ravel(), bits).reshape(want.shape),
-                              want), bits
+        codes = rng.integers(0, 1 << bits, (3, 2, 8 * 3 * 64 * 32)).astype(np.uint8)
+        layers = np.array([2, 0], dtype=np.int64)
+        for kind in (0, 1):
+            want = kernels.pack_codes(torch.from_numpy(codes[layers, kind]), bits).numpy()
+            assert np.array_equal(rans_cpu.pack_codes(codes, layers, kind, bits), want), bits

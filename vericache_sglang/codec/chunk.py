@@ -413,7 +413,8 @@ def _tiers(header: Header, geo: Geometry, codes: np.ndarray, meta: list[torch.Te
     for b, p in sorted(set(zip(bits, pool, strict=True))):
         members = [layer for layer in range(layers) if (bits[layer], pool[layer]) == (b, p)]
         sel = torch.tensor(members)
-        kc, vc = (torch.from_numpy(rans_cpu.pack_codes(codes[members, kind].ravel(), b)).reshape(
+        rows = np.asarray(members, dtype=np.int64)
+        kc, vc = (torch.from_numpy(rans_cpu.pack_codes(codes, rows, kind, b)).reshape(
             len(members), *shape[:-1], shape[-1] * b // 8)
             for kind, shape in ((0, geo.k_codes), (1, geo.v_codes)))
         ks, kz, vs, vz = (m[sel] for m in meta)
