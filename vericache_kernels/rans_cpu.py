@@ -429,8 +429,9 @@ def _lane_block(words, starts, flat, row_size, base, width, by_code, out, kind, 
         ptrs[b] = ptr + 2 * STATES
     # width <= 2: the symbol and its range as arithmetic on comparisons with the table's three
     # bounds (k1..k3, per state), no loads in the vectorised loop (a binary search's dependent
-    # loads do not vectorise); 3 or 4 bits (rows of 17): the same twice, the quarter and then
-    # the symbol in it (per channel tables); wider, or per code: a binary search per state
+    # loads do not vectorise); 3 or 4 bits (rows of 17, tables per channel): the same twice,
+    # the quarter and then the symbol in it; others (wider, or 3-4 bits per code): a binary
+    # search per state
     direct = width <= 2 and row_size >= 5
     quartered = not direct and width <= 4 and row_size >= 17
     empty = False
