@@ -91,9 +91,12 @@ def _assert_tier_equal(got: QuantTier, want: QuantTier) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("compressor", ["kivi:bits=4", "kivi:bits=2",
                                         "kivi_mixed:bits_early=8,bits_late=4,recent=0"])
-def test_the_pool_level_is_the_compressed_pools_pages(model_kv, dtype, compressor):
+@pytest.mark.parametrize("tables", ["channel", "kind"])
+def test_the_pool_level_is_the_compressed_pools_pages(model_kv, dtype, compressor, tables):
+    """Tables per code of 4 bits (the 8-bit layers' refinement) take the level decoder's
+    search; 2-bit ones its arithmetic, 4-bit ones per channel its quarters."""
     keys, values = _chunk(model_kv, dtype)
-    spec = _spec(compressor)
+    spec = _spec(compressor, tables=tables)
     blob = encode_chunk(keys, values, spec, key=KEY)
     pool_level = len(spec.levels) - 1
     got = decode_chunk(blob, level=pool_level, key=KEY).tiers
