@@ -85,8 +85,10 @@ def runs(demo_models, plain_server: ServerProcess, server_pool
     variants = {"one level": [*VERICACHE_ARGS, "--vericache-drafter", "none"],
                 "draft model": [*VERICACHE_ARGS, "--vericache-draft-model",
                                 str(demo_models.draft), "--vericache-drafter-max-length", "2"]}
-    for name, args in variants.items():
-        with server_pool.hold(ServerSpec.of(demo_models.target, args)) as (server,):
+    # Started side by side, asked one after the other.
+    with server_pool.hold(*(ServerSpec.of(demo_models.target, args)
+                            for args in variants.values())) as servers:
+        for name, server in zip(variants, servers, strict=True):
             began = time.monotonic()
             result[name] = _answers(server, ids)
             print(f"\n[{name}] batch answered in {time.monotonic() - began:.0f} s")

@@ -44,31 +44,44 @@ def _weight_bytes(model_dir: Path) -> tuple[int, int]:
     return embedding, other
 
 
+@pytest.fixture(scope="module")
+def draft_servers(demo_models, server_pool):
+    """The two servers of this module, started side by side: the untrained truncation as level
+    2 (over 4-bit KIVI), and the shipped drafter over SnapKV keeping half the tokens."""
+    with server_pool.hold(
+        ServerSpec.of(demo_models.target, [
+            *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model",
+            str(demo_models.draft), "--vericache-drafter-max-length", "3",
+            *FIXED_DRAFT_LENGTH]),
+        ServerSpec.of(demo_models.target, [
+            *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.5",
+            "--vericache-draft-model", str(demo_models.drafter), *FIXED_DRAFT_LENGTH]),
+    ) as servers:
+        yield servers
+
+
 def test_an_untrained_draft_model_costs_speed_not_output(demo_models, plain, prompt_ids,
-                                                         server_pool):
+                                                         draft_servers):
     """The 4-layer truncation proposes up to 3 tokens; two requests at once (32 tokens each:
     its proposals make every round slow): plain SGLang's tokens. Its proposals were checked and
     nearly all rejected. The server reports the draft model's device bytes, measured from its
     tensors: its layers, not the embedding it reads from the target."""
     names = ["heapq_400", "chat_fnmatch"]
-    with server_pool.hold(ServerSpec.of(demo_models.target, [
-        *SERVER_ARGS, "--enable-vericache", "--vericache-draft-model", str(demo_models.draft),
-        "--vericache-drafter-max-length", "3", *FIXED_DRAFT_LENGTH,
-    ])) as (server,):
-        got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
-                                     "kivi:bits=4 + 4-layer truncation", max_new_tokens=32)
-        proposed = sum(levels(out)[1] for out in got)
-        kept = sum(levels(out)[2] for out in got)
-        print(f"  level 2: {kept}/{proposed} proposals kept")
-        assert 0 <= kept < proposed / 2
-        state = server.server_info()["internal_states"][0]["vericache_state"]
-        assert state["totals"]["drafter_proposed"] > 0
+    server = draft_servers[0]
+    got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
+                                 "kivi:bits=4 + 4-layer truncation", max_new_tokens=32)
+    proposed = sum(levels(out)[1] for out in got)
+    kept = sum(levels(out)[2] for out in got)
+    print(f"  level 2: {kept}/{proposed} proposals kept")
+    assert 0 <= kept < proposed / 2
+    state = server.server_info()["internal_states"][0]["vericache_state"]
+    assert state["totals"]["drafter_proposed"] > 0
     embedding, layers = _weight_bytes(demo_models.draft)
     assert layers <= state["drafter_device_bytes"] < layers + embedding // 100
 
 
-def test_the_distilled_drafter_on_a_token_dropping_tier(demo_models, plain, prompt_ids,
-                                                        tokenizer, server_pool):
+def test_the_distilled_drafter_on_a_token_dropping_tier(plain, prompt_ids, tokenizer,
+                                                        draft_servers):
     """The shipped drafter under SnapKV keeping half the tokens: three real prompts at once,
     then a stop string, a JSON schema (proposals checked under the schema's mask) and a
     streamed request together: plain SGLang's tokens, and the drafter's proposals were kept
@@ -78,16 +91,13 @@ def test_the_distilled_drafter_on_a_token_dropping_tier(demo_models, plain, prom
     stopped = payload(prompt_ids["csv_700"], "code", max_new_tokens=96, stop=["\n\n"])
     constrained = json_schema_request(tokenizer)
     streamed = payload(prompt_ids["heapq_400"], "code", max_new_tokens=64)
-    with server_pool.hold(ServerSpec.of(demo_models.target, [
-        *SERVER_ARGS, "--enable-vericache", "--vericache-compressor", "snapkv:ratio=0.5",
-        "--vericache-draft-model", str(demo_models.drafter), *FIXED_DRAFT_LENGTH,
-    ])) as (server,):
-        got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
-                                     "snapkv:ratio=0.5 + distilled drafter")
-        with ThreadPoolExecutor(2) as pool:
-            chunks = pool.submit(stream_chunks, server, streamed)
-            got_together = send_all(server, [stopped, constrained])
-            chunks = chunks.result()
+    server = draft_servers[1]
+    got = assert_batch_identical(server, plain, {name: prompt_ids[name] for name in names},
+                                 "snapkv:ratio=0.5 + distilled drafter")
+    with ThreadPoolExecutor(2) as pool:
+        chunks = pool.submit(stream_chunks, server, streamed)
+        got_together = send_all(server, [stopped, constrained])
+        chunks = chunks.result()
     for request, out in zip([stopped, constrained], got_together, strict=True):
         assert out["output_ids"] == plain(request)["output_ids"]
     assert chunks[-1]["output_ids"] == plain(streamed)["output_ids"]

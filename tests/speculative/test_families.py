@@ -1,5 +1,5 @@
-"""Every model family SGLang users serve: VeriCache's tokens equal plain SGLang's, or the
-server refuses at startup with one line.
+"""Every model family SGLang users serve: VeriCache's tokens equal plain SGLang's (a family it
+cannot serve exactly is refused at startup with one line: tests/test_cli.py).
 
 Each family is a tiny seeded random-weight model (`tests/support/families.py`) carrying its
 attention features (sliding windows of 128 tokens, Gemma 2's softcapping, experts). Plain SGLang
@@ -24,7 +24,6 @@ from tests.support.identity import send_all, stats
 from tests.support.servers import FIXED_DRAFT_LENGTH, ServerSpec
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_args import server_args
-from vericache_tools.server_process import ServerProcess, ServerStartError
 
 pytestmark = pytest.mark.server
 
@@ -36,7 +35,9 @@ PROMPT_TOKENS = 640
 
 FEATURE_WORDS = {"sliding window": "with a sliding window", "softcapping": "with logit softcapping"}
 """A family's attention features -> the words VeriCache's startup line uses for them."""
-SERVED = [name for name in FAMILIES if name != "deepseek-v2"]
+SERVED = [name for name in FAMILIES if name not in ("llama", "deepseek-v2")]
+"""The demo model is a Llama, which every other server test serves; DeepSeek's MLA is refused
+at startup (tests/test_cli.py)."""
 CHECKED_AGAINST_HF = {"gemma2", "gemma3", "qwen2-moe"}
 """Families whose plain-SGLang reference rests on the CPU support (softcapping, the MoE gate)
 or on sliding windows: their plain tokens are checked against HF transformers too."""
@@ -114,20 +115,3 @@ def test_family_identical_to_plain_sglang(name: str, demo_model: Path, prompts, 
     if name in CHECKED_AGAINST_HF:
         assert [ref["output_ids"] for ref in want] == _hf_greedy(path, prompts), (
             f"{name}: plain SGLang's reference is not the model's own greedy output")
-
-
-def test_mla_is_refused_with_one_line(demo_model: Path, server_pool):
-    """DeepSeek's multi-head latent attention: no compressed latent KV yet, so the server does
-    not start, and says why in one line (plain SGLang's CPU engine cannot prefill MLA either:
-    torch_native's MLA extend fails on a shape)."""
-    path = build("deepseek-v2", demo_model)
-    server_pool.make_room()
-    server = ServerProcess(path, [*ARGS, "--enable-vericache"], max_total_tokens=8192)
-    with pytest.raises(ServerStartError) as failed:
-        server.start(timeout=240, attempts=1)
-    assert server.proc.returncode == 1
-    last = str(failed.value).strip().splitlines()[-1]
-    assert last == ("vericache: error: DeepseekV2ForCausalLM has multi-head latent attention "
-                    "(MLA: DeepSeek V2/V3, Kimi K2); its compressed latent KV is not built yet: "
-                    "VeriCache cannot serve it exactly")
-

@@ -6,8 +6,8 @@ computes.
 Server A answers a 1,200-token prompt and stops once its pages are in the store (HiCache
 writes them behind the answer). Server B, started afterwards on the same store, answers the
 prompt plus a suffix with the prefix loaded from storage; after a flush it answers the bare
-prompt from storage again, equal to A's answer. A plain server without HiCache then answers
-the suffixed request from scratch, equal to B's answer. One server is up at a time.
+prompt from storage again, equal to A's answer. A plain server without HiCache, started beside
+B, answers the suffixed request from scratch, equal to B's answer.
 
 `--hicache-storage-prefetch-policy wait_complete` makes the storage hit whole: SGLang's default
 (`timeout`) may start the request before a slow CPU has loaded every page, and count fewer.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS, side_by_side
 from vericache_tools.mooncake_service import MooncakeService
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
@@ -81,7 +81,7 @@ def test_a_prefix_stored_by_one_server_is_reloaded_by_the_next(mooncake_store, d
     report["stored_tokens"] = stored_tokens
     report["store_bytes_per_token"] = (store.stored_bytes() - bytes_before) / stored_tokens
 
-    with _server(demo_model, store) as b:
+    with side_by_side(_server(demo_model, store), _server(demo_model, None)) as (b, plain):
         t = time.monotonic()
         reloaded = b.generate(_request(suffixed))
         report["reload_request_s"] = time.monotonic() - t
@@ -95,7 +95,6 @@ def test_a_prefix_stored_by_one_server_is_reloaded_by_the_next(mooncake_store, d
         assert again["meta_info"]["cached_tokens_details"]["storage"] >= PROMPT_TOKENS - 1
         assert again["output_ids"] == first["output_ids"]
 
-    with _server(demo_model, None) as plain:
         t = time.monotonic()
         expected = plain.generate(_request(suffixed))
         report["plain_request_s"] = time.monotonic() - t

@@ -3,11 +3,11 @@ SGLang server on the same store skips them cleanly; a store that dies or is down
 
 Pages of 64 tokens (`--page-size 64`, what HiCache storage deployments use), a store of this
 module's own (it is killed here). Server A (VeriCache, `--hicache-storage-backend mooncake`)
-answers a 3,200-token prompt and stops once the store holds its 50 pages, coded, three objects
+answers a 1,920-token prompt and stops once the store holds its 30 pages, coded, three objects
 each (`stores/mooncake.py`). A plain SGLang server with the same arguments but VeriCache then asks
 the prompt plus a question, and a short prompt: SGLang's raw K and V objects of those pages are
 not in the store, so it finds no storage hit and prefills everything; its outputs are the
-references. Server B (A's flags), started afterwards, answers the question with all 3,200 tokens
+references. Server B (A's flags), started beside it, answers the question with all 1,920 tokens
 loaded from A's objects. B also drafts before the exact KV for a JSON-schema request (plain
 SGLang's output) and for sampled requests (plain SGLang's distribution, 47 draws at temperature
 0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py), and answers the
@@ -45,7 +45,7 @@ from transformers import AutoTokenizer
 
 from tests.support.homogeneity import two_sample_pvalue
 from tests.support.identity import send_all
-from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS
+from tests.support.servers import FULL_KV_BYTES_PER_TOKEN, SERVER_ARGS, side_by_side
 from vericache_sglang.speculative.meta_info import EARLY_DRAFTS_KEY
 from vericache_sglang.stores.reconnect import RETRY_ENV
 from vericache_tools.mooncake_service import (
@@ -60,7 +60,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
               pytest.mark.usefixtures("no_idle_servers")]
 
 PAGE_SIZE = 64
-PROMPT_TOKENS = 3200
+PROMPT_TOKENS = 1920
 PAGES = PROMPT_TOKENS // PAGE_SIZE
 SHORT_TOKENS = 640
 OTHER_TOKENS = 1280
@@ -179,30 +179,41 @@ def stored(store, demo_model, prompts) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(stored, store, demo_model, prompts) -> dict[str, dict]:
-    """Plain SGLang on the same store (after A): the question and the short prompt."""
-    with _server(demo_model, store, vericache=False) as plain:
-        began = time.monotonic()
-        out = {"question": plain.generate(_request(prompts["question"]))}
-        out["question_s"] = time.monotonic() - began
-        out["short"] = plain.generate(_request(prompts["short"]))
-        out["together"] = send_all(plain, _together(prompts))
-        out["sampled"] = plain.generate(_sampled(prompts, SAMPLES))
-        for name in FAULTS:
-            out[name] = plain.generate(_request(prompts[name]))
-        out["running"] = plain.generate(_request(prompts["running"], RUNNING_TOKENS))
+def plain_and_b(stored, store, demo_model) -> Iterator[list[ServerProcess]]:
+    """Plain SGLang and server B on the same store, started side by side once A has stopped.
+    B has one codec process: a page's exact part takes ~0.1 s to decode, so a prefix's exact
+    parts arrive over seconds after its drafting parts, and the store can die in between.
+    Deadline 0: every page drafts on its coarse level, and its refinement comes behind."""
+    del stored
+    with side_by_side(_server(demo_model, store, vericache=False),
+                      _server(demo_model, store, vericache=True, early=True,
+                              extra=["--vericache-store-codec-processes", "1",
+                                     "--vericache-drafting-deadline", "0"])) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def reference(plain_and_b, prompts) -> dict[str, dict]:
+    """Plain SGLang on the same store (after A): the question and the short prompt; it stops
+    before B is asked anything."""
+    plain = plain_and_b[0]
+    began = time.monotonic()
+    out = {"question": plain.generate(_request(prompts["question"]))}
+    out["question_s"] = time.monotonic() - began
+    out["short"] = plain.generate(_request(prompts["short"]))
+    out["together"] = send_all(plain, _together(prompts))
+    out["sampled"] = plain.generate(_sampled(prompts, SAMPLES))
+    for name in FAULTS:
+        out[name] = plain.generate(_request(prompts[name]))
+    out["running"] = plain.generate(_request(prompts["running"], RUNNING_TOKENS))
+    plain.stop()
     return out
 
 
 @pytest.fixture(scope="module")
-def server_b(reference, store, demo_model) -> Iterator[ServerProcess]:
-    # One codec process: a page's exact part takes ~0.1 s to decode, so a prefix's exact
-    # parts arrive over seconds after its drafting parts, and the store can die in between.
-    # Deadline 0: every page drafts on its coarse level, and its refinement comes behind.
-    with _server(demo_model, store, vericache=True, early=True,
-                 extra=["--vericache-store-codec-processes", "1",
-                        "--vericache-drafting-deadline", "0"]) as b:
-        yield b
+def server_b(plain_and_b, reference) -> ServerProcess:
+    del reference  # asked first, and its server stopped
+    return plain_and_b[1]
 
 
 def test_each_page_is_three_coded_objects(stored):
@@ -272,7 +283,7 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
 
 
 def test_a_loading_prefix_waits_beside_a_decoding_request(server_b, reference, prompts):
-    """A request decodes while another's 3,200-token stored prefix loads: the loading prefill
+    """A request decodes while another's 1,920-token stored prefix loads: the loading prefill
     parks beside it (`speculative/parking.py`), drafting between its steps, and the decoding
     request keeps streaming; both answer plain SGLang's tokens."""
     server_b.flush_cache()
