@@ -3,11 +3,11 @@ SGLang server on the same store skips them cleanly; a store that dies or is down
 
 Pages of 64 tokens (`--page-size 64`, what HiCache storage deployments use), a store of this
 module's own (it is killed here). Server A (VeriCache, `--hicache-storage-backend mooncake`)
-answers a 1,920-token prompt and stops once the store holds its 30 pages, coded, three objects
+answers a 3,200-token prompt and stops once the store holds its 50 pages, coded, three objects
 each (`stores/mooncake.py`). A plain SGLang server with the same arguments but VeriCache then asks
 the prompt plus a question, and a short prompt: SGLang's raw K and V objects of those pages are
 not in the store, so it finds no storage hit and prefills everything; its outputs are the
-references. Server B (A's flags), started beside it, answers the question with all 1,920 tokens
+references. Server B (A's flags), started beside it, answers the question with all 3,200 tokens
 loaded from A's objects. B also drafts before the exact KV for a JSON-schema request (plain
 SGLang's output) and for sampled requests (plain SGLang's distribution, 47 draws at temperature
 0.5: enough that a greedy sampler fails the test, tests/test_homogeneity.py), and answers the
@@ -60,7 +60,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900),
               pytest.mark.usefixtures("no_idle_servers")]
 
 PAGE_SIZE = 64
-PROMPT_TOKENS = 1920
+PROMPT_TOKENS = 3200
 PAGES = PROMPT_TOKENS // PAGE_SIZE
 SHORT_TOKENS = 640
 OTHER_TOKENS = 1280
@@ -283,7 +283,7 @@ def test_requests_at_once_over_stored_prefixes(server_b, reference, prompts):
 
 
 def test_a_loading_prefix_waits_beside_a_decoding_request(server_b, reference, prompts):
-    """A request decodes while another's 1,920-token stored prefix loads: the loading prefill
+    """A request decodes while another's 3,200-token stored prefix loads: the loading prefill
     parks beside it (`speculative/parking.py`), drafting between its steps, and the decoding
     request keeps streaming; both answer plain SGLang's tokens."""
     server_b.flush_cache()
