@@ -21,15 +21,14 @@ answers it, and its compressed pool takes the reloaded prefix's pages from the s
 level instead of quantizing them again (`stores/reloaded.py`). (A 3,200-token stored prefix
 is tests/stores/test_mooncake_vericache.py's.)
 
-Plain SGLang and A start side by side; plain SGLang answers first and stops, then A, and B
-starts once A has stopped.
+Plain SGLang answers first and is stopped before the VeriCache servers start, so one server
+of this module is up at a time.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,6 @@ from tests.support.servers import (
     FULL_KV_BYTES_PER_TOKEN,
     HOST_BUDGET,
     SERVER_ARGS,
-    side_by_side,
 )
 from vericache_tools.prompts import stdlib_ids
 from vericache_tools.server_process import ServerProcess
@@ -93,22 +91,10 @@ def paged_requests(tokenizer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain_and_a(demo_model: Path, store_dir: Path) -> Iterator[list[ServerProcess]]:
-    """Plain SGLang and VeriCache server A, started side by side; each stops once it has
-    answered."""
-    with side_by_side(ServerProcess(demo_model, PAGED_ARGS),
-                      ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir",
-                                                 str(store_dir)])) as servers:
-        yield servers
-
-
-@pytest.fixture(scope="module")
-def plain_answers(plain_and_a, paged_requests) -> dict:
-    server = plain_and_a[0]
-    answers = {"batch": send_all(server, paged_requests["batch"]),
-               "reuse": server.generate(paged_requests["reuse"])}
-    server.stop()
-    return answers
+def plain_answers(demo_model: Path, paged_requests) -> dict:
+    with ServerProcess(demo_model, PAGED_ARGS) as server:
+        return {"batch": send_all(server, paged_requests["batch"]),
+                "reuse": server.generate(paged_requests["reuse"])}
 
 
 def _page_files(directory: Path, request: dict) -> list[Path]:
@@ -124,20 +110,19 @@ def store_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vericache_answers(plain_and_a, paged_requests, plain_answers, store_dir) -> dict:
+def vericache_answers(demo_model: Path, paged_requests, plain_answers, store_dir) -> dict:
     """Server A's answers, its `/server_info`, and the files of the stored prompt's pages,
     written before A stopped."""
     del plain_answers  # asked first, and its server stopped
-    server = plain_and_a[1]
-    answers = {"batch": send_all(server, paged_requests["batch"]),
-               "reuse": server.generate(paged_requests["reuse"])}
-    deadline = time.monotonic() + 300
-    while (len(files := _page_files(store_dir, paged_requests["reuse"]))
-           < STORED_TOKENS // PAGE_SIZE and time.monotonic() < deadline):
-        time.sleep(1)
-    info = server.server_info()
-    server.stop()
-    return {**answers, "info": info, "files": files}
+    with ServerProcess(demo_model, [*VERICACHE_ARGS, "--vericache-disk-dir", str(store_dir)]
+                       ) as server:
+        answers = {"batch": send_all(server, paged_requests["batch"]),
+                   "reuse": server.generate(paged_requests["reuse"])}
+        deadline = time.monotonic() + 300
+        while (len(files := _page_files(store_dir, paged_requests["reuse"]))
+               < STORED_TOKENS // PAGE_SIZE and time.monotonic() < deadline):
+            time.sleep(1)
+        return {**answers, "info": server.server_info(), "files": files}
 
 
 @pytest.fixture(scope="module")
