@@ -25,6 +25,8 @@ from pathlib import Path
 
 import requests
 
+from vericache_tools.forked_launch import ForkedLauncher
+
 HOST = "127.0.0.1"
 
 
@@ -50,6 +52,15 @@ def free_port() -> int:
     raise ServerStartError(f"no free port in {PORTS.start}-{PORTS.stop - 1} on {HOST}")
 
 
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+"""Variables that change under the tests with nothing reading them at import time (pytest
+names the running test in one)."""
+
+
+def _settled(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+
+
 class ServerStartError(RuntimeError):
     """The server exited or stayed unhealthy; the message ends with its last log lines."""
 
@@ -60,6 +71,11 @@ class PortTakenError(ServerStartError):
 
 class ServerProcess:
     """One SGLang server process group, usable as a context manager."""
+
+    forked_launcher: ForkedLauncher | None = None
+    """Where set (the tests set it), servers whose environment is the launcher's are forked
+    from a process that has imported SGLang already (`forked_launch.py`), the rest launched
+    by `python -m sglang.launch_server` as always."""
 
     def __init__(
         self,
@@ -102,13 +118,24 @@ class ServerProcess:
                 self._use_port(free_port())
         return self._start_once(timeout)
 
+    def forks(self) -> bool:
+        """Whether `start` forks this server from `forked_launcher`: only where its
+        environment is the one the launcher imported SGLang under."""
+        launcher = self.forked_launcher
+        if launcher is None:
+            return False
+        return _settled(self.env) == _settled(launcher.env() or dict(os.environ))
+
     def _start_once(self, timeout: float) -> ServerProcess:
         began = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True,
-            )
+        if self.forks():
+            self.proc = self.forked_launcher.start(self.argv[3:], self.env, self.log_path)
+        else:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                    start_new_session=True,
+                )
         try:
             self._wait_healthy(began + timeout)
         except BaseException:
