@@ -112,6 +112,20 @@ def normalize_into(tables, cum):
             cum[r, s + 1] = acc
 
 
+@numba.njit("void(uint8[::1], int64[:, ::1], int64[:, ::1])", cache=True, nogil=True)
+def normalize_blocks(flat, shapes, cum):
+    """`normalize_into` of each of a part's table blocks (block b: `shapes[b]` = (rows,
+    symbols), one after another in `flat` and in `cum`'s rows, padded to its width): one call
+    a part, where one a block cost 60 dispatches (0.3 ms) a level-0 decode."""
+    pos, row = 0, 0
+    for b in range(len(shapes)):
+        rows, symbols = shapes[b, 0], shapes[b, 1]
+        normalize_into(flat[pos:pos + rows * symbols].reshape((rows, symbols)),
+                       cum[row:row + rows])
+        pos += rows * symbols
+        row += rows
+
+
 @numba.njit("uint8[:, ::1](uint8[:, :, ::1], int64[::1], int64, int64)", cache=True, nogil=True)
 def pack_codes(codes, layers, kind, bits):
     """`vericache_kernels.pack_codes` of `codes[layer, kind]` (decoded, [L, 2, n * H * D]) for
