@@ -194,11 +194,11 @@ def test_reordered_foreign_and_extended_streams_are_refused(blob, model_kv):
 
 
 def test_a_stream_of_a_previous_version_is_foreign(blob):
-    """Version 2 range coded each part as one sequence, version 1 keyed part digests by 64
-    bytes of the key: such streams are another format, not damaged ones (a store leaves them in
-    place)."""
-    assert blob[4] == VERSION == 3
-    for old in (1, 2):
+    """Version 3 digested parts with keyed BLAKE2b, version 2 range coded each part as one
+    sequence, version 1 keyed part digests by 64 bytes of the key: such streams are another
+    format, not damaged ones (a store leaves them in place)."""
+    assert blob[4] == VERSION == 4
+    for old in (1, 2, 3):
         with pytest.raises(StreamForeign, match=f"version {old}"):
             decode_chunk(blob[:4] + bytes([old]) + blob[5:], key=KEY)
 

@@ -148,7 +148,8 @@ def test_lanes_changed_under_valid_digests_are_refused(model_kv):
 @not_interpreting
 def test_the_numba_normalize_is_the_references():
     """The decoders' tables: numba's `normalize_into` equals `rans_ref.normalize`, ties of the
-    largest count, empty tables and padding included."""
+    largest count, empty tables and padding included; so does `normalize_blocks`, a part's
+    blocks of several widths in one call."""
     rng = np.random.default_rng(0)
     tables = rng.integers(0, 256, (300, 16)).astype(np.uint8)
     tables[::7] = 0
@@ -159,6 +160,12 @@ def test_the_numba_normalize_is_the_references():
         cum = np.zeros((len(t), (1 << width) + 1), dtype=np.int64)
         rans_cpu.normalize_into(t, cum)
         assert np.array_equal(cum, rans_ref.normalize(t, width)), (symbols, width)
+    blocks = [np.ascontiguousarray(tables[first:first + rows, :symbols])
+              for first, rows, symbols in ((0, 100, 16), (100, 7, 4), (107, 193, 2))]
+    cum = np.zeros((300, 17), dtype=np.int64)
+    rans_cpu.normalize_blocks(np.concatenate([b.ravel() for b in blocks]),
+                              np.array([b.shape for b in blocks], dtype=np.int64), cum)
+    assert np.array_equal(cum, np.concatenate([rans_ref.normalize(b, 4) for b in blocks]))
 
 
 @not_interpreting

@@ -202,8 +202,8 @@ def test_a_page_of_64_tokens_is_stored_as_one_smaller_stream_and_read_back_exact
     raw = page.numel() * page.element_size()
     assert data[:4] == b"VCKV"
     # The exact KV, entropy coded: measured 0.91 of the float32 bytes and 0.77 of the bf16
-    # (stream version 3; its lanes' final states and word counts cost about 2% of a 64-token
-    # page, whose version-2 stream took 0.75 of the bf16 bytes).
+    # (stream version 3, whose sizes version 4 keeps; its lanes' final states and word counts
+    # cost about 2% of a 64-token page, whose version-2 stream took 0.75 of the bf16 bytes).
     assert len(data) < (0.92 if page.dtype == torch.float32 else 0.78) * raw, len(data) / raw
     target = torch.zeros_like(page)
     assert storage.get("a" * 64, target) is target

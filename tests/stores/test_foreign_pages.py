@@ -54,7 +54,7 @@ def test_a_page_of_the_previous_format_is_a_foreign_miss_left_in_place(stored):
     storage, page, _ = stored
     path = page_file(storage, KEY)
     data = bytearray(path.read_bytes())
-    data[4] = 1  # the version byte: streams whose part digests took 64 bytes of the key
+    data[4] = 3  # the version byte: version 3's part digests were keyed BLAKE2b
     path.write_bytes(bytes(data))
     assert storage.get(KEY, torch.zeros_like(page)) is None
     assert _foreign(storage) == 1

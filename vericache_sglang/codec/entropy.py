@@ -40,13 +40,19 @@ def pack_tables(tables: list[np.ndarray], level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(flat.tobytes())
 
 
-def unpack_tables(section: memoryview, sizes: list[tuple[int, int]]) -> list[np.ndarray]:
-    """Inverse of `pack_tables`, given each table block's (rows, symbols)."""
-    total = sum(rows * symbols for rows, symbols in sizes)
+def table_bytes(section: memoryview, total: int) -> np.ndarray:
+    """Inverse of `pack_tables`: the `total` table bytes, one block after another (writable,
+    as numba takes them)."""
     flat = np.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(
-        bytes(section), max_output_size=max(total, 1))), dtype=np.uint8)  # writable: numba
+        bytes(section), max_output_size=max(total, 1))), dtype=np.uint8)
     if flat.size != total:
         raise StreamForeign("KV stream tables have the wrong size")
+    return flat
+
+
+def unpack_tables(section: memoryview, sizes: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Inverse of `pack_tables`, given each table block's (rows, symbols)."""
+    flat = table_bytes(section, sum(rows * symbols for rows, symbols in sizes))
     out, pos = [], 0
     for rows, symbols in sizes:
         out.append(flat[pos:pos + rows * symbols].reshape(rows, symbols))

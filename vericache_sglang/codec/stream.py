@@ -3,11 +3,14 @@
     b"VCKV" | version u8 | header length u32 | header (JSON) | header digest (16 B) | parts...
 
 The header names everything a decoder needs (shapes, dtype, levels, table grouping, each part's
-length and digest) and its digest covers the magic, version and header bytes. A part's digest is
-keyed by the whole of the stream's key (e.g. the storage page key, its rank suffix included) and
-the part's index, so a part from another stream or another position, or a stream stored under
-another key, is refused. A stream cut short still decodes the levels whose parts arrived whole:
-that is what makes it progressive.
+length and digest) and its digest (BLAKE2b) covers the magic, version and header bytes. A part's
+digest is XXH3-128 seeded by a BLAKE2b hash of the whole of the stream's key (e.g. the storage
+page key, its rank suffix included) and the part's index, so a part from another stream or
+another position, or a stream stored under another key, is refused. XXH3 is not cryptographic:
+it catches damage, truncation and misplaced parts or keys (a wrong one passes with probability
+about 2**-64, the seed's size), not a writer who forges a part on purpose; neither did the
+keyed BLAKE2b before it, since the key is a page's name, not a secret. A stream cut short still
+decodes the levels whose parts arrived whole: that is what makes it progressive.
 
 A stream that is not decoded raises one of `StreamError`'s kinds, which tell a store what to do
 with the object: `StreamCorrupt` (a digest fails: the bytes are not what was written, the only
@@ -23,10 +26,13 @@ import json
 import struct
 from dataclasses import asdict, dataclass
 
+import xxhash
+
 MAGIC = b"VCKV"
-VERSION = 3
-"""3: parts coded in independent rANS lanes (the header's `lane_channels`); 2 range coded each
-part as one sequence; 1 keyed part digests by the first 64 bytes of the key."""
+VERSION = 4
+"""4: part digests XXH3-128 (version 3's keyed BLAKE2b took 1.3-1.9 ms of a level-0 decode);
+3: parts coded in independent rANS lanes (the header's `lane_channels`); 2 range coded each part
+as one sequence; 1 keyed part digests by the first 64 bytes of the key."""
 DIGEST_BYTES = 16
 _PREFIX = struct.Struct("<4sBI")
 _MAC_PERSON = b"vericache-kv-mac"
@@ -75,14 +81,17 @@ class Header:
 
 
 def _mac_key(key: bytes) -> bytes:
-    """The parts' MAC key: a hash of the whole stream key (blake2b takes at most 64 key bytes,
-    and a storage key's tail, e.g. its rank, must count)."""
+    """The parts' key: a hash of the whole stream key (a storage key's tail, e.g. its rank,
+    must count)."""
     return hashlib.blake2b(key, person=_MAC_PERSON).digest()
 
 
 def _part_digest(mac: bytes, index: int, part: bytes | memoryview) -> str:
-    return hashlib.blake2b(part, digest_size=DIGEST_BYTES, key=mac,
-                           person=struct.pack("<Q", index)).hexdigest()
+    """XXH3-128 of the part, seeded by the key and the part's index (a 64-bit seed from a
+    keyed BLAKE2b of the index: XXH3 takes no longer key). 0.04-0.06 ms for a 1.2 MB part
+    where BLAKE2b took 1.3-1.9."""
+    seed = hashlib.blake2b(struct.pack("<Q", index), digest_size=8, key=mac).digest()
+    return xxhash.xxh3_128_hexdigest(part, seed=int.from_bytes(seed, "little"))
 
 
 def write_stream(fields: dict, parts: list[bytes], key: bytes = b"") -> bytes:
