@@ -13,6 +13,7 @@ import requests
 
 from tests.support.servers import SERVER_ARGS
 from vericache_tools.forked_launch import ForkedServer
+from vericache_tools.mooncake_service import MooncakeService
 from vericache_tools.server_process import (
     HOST,
     PORTS,
@@ -46,6 +47,11 @@ def test_only_servers_of_the_launchers_environment_are_forked(demo_model, forked
     assert ServerProcess.forked_launcher is forked_launcher
     assert ServerProcess(demo_model, SERVER_ARGS).forks()
     assert not ServerProcess(demo_model, SERVER_ARGS, env={"VERICACHE_UNSET": "1"}).forks()
+    store = MooncakeService()  # not started: its client's variables only
+    assert ServerProcess(demo_model, SERVER_ARGS, env=store.env()).forks()
+    assert not ServerProcess(demo_model, SERVER_ARGS,
+                             env={**store.env(), "SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE":
+                                  "1"}).forks()
 
 
 def test_a_forked_server_that_exits_reports_its_status(demo_model):

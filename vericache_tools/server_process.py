@@ -56,9 +56,14 @@ VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 """Variables that change under the tests with nothing reading them at import time (pytest
 names the running test in one)."""
 
+STORE_CLIENT_ENV = ("MOONCAKE_", "MC_")
+"""Prefixes of the variables only the Mooncake client reads, when a scheduler connects to its
+store: a server's launcher never loads it, so they may differ from the forked launcher's."""
+
 
 def _settled(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+    return {k: v for k, v in env.items()
+            if k not in VOLATILE_ENV and not k.startswith(STORE_CLIENT_ENV)}
 
 
 class ServerStartError(RuntimeError):
@@ -120,7 +125,8 @@ class ServerProcess:
 
     def forks(self) -> bool:
         """Whether `start` forks this server from `forked_launcher`: only where its
-        environment is the one the launcher imported SGLang under."""
+        environment is the one the launcher imported SGLang under (a store client's variables
+        aside)."""
         launcher = self.forked_launcher
         if launcher is None:
             return False
