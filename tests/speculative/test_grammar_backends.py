@@ -4,7 +4,9 @@ A round advances each request's grammar over its drafts and rolls it back before
 verification (`vericache_sglang/speculative/grammar.py`). xgrammar, SGLang's default, is what
 test_identity.py's constrained tests run on; here llguidance, against plain SGLang on the
 same backend (backends compile a schema to different token masks, so each is compared with
-itself), under the n-gram drafter: its rounds check proposals under each position's mask.
+itself), under the n-gram drafter: its rounds check proposals under each position's mask. The
+pair is shared with test_context_boundary.py (`tests/support/servers.py: VARIANT_ARGS`: a
+context of 1,024 tokens, which these requests end well inside; 64 drafts a round).
 The masks of single-level drafting (no drafter, one token per forward) are compared with the
 proposal path's on both backends in test_grammar.py, which saves CI a server start here.
 outlines has no rollback and is refused at startup (test_cli.py).
@@ -24,21 +26,19 @@ from tests.support.identity import (
     send_all,
     stats,
 )
-from tests.support.servers import FIXED_DRAFT_LENGTH, SERVER_ARGS, ServerSpec
+from tests.support.servers import variant_specs
 from vericache_tools.server_process import ServerProcess
 
+SHARES_SERVERS_WITH = "variant"
+"""Runs next to the other module on this pair (tests/support/servers.py: VARIANT_ARGS), so the
+pair starts once (tests/conftest.py orders the modules)."""
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1800)]
-
-
-LLGUIDANCE = [*SERVER_ARGS, "--grammar-backend", "llguidance"]
 
 
 @pytest.fixture(scope="module")
 def llguidance_servers(demo_model: Path, servers) -> list[ServerProcess]:
     """Plain SGLang and VeriCache on llguidance, started side by side."""
-    return servers(ServerSpec.of(demo_model, LLGUIDANCE),
-                   ServerSpec.of(demo_model, [*LLGUIDANCE, "--enable-vericache",
-                                              "--vericache-drafter", "ngram", *FIXED_DRAFT_LENGTH]))
+    return servers(*variant_specs(demo_model))
 
 
 def test_llguidance_grammars_draft_and_equal_plain(llguidance_servers, tokenizer):

@@ -61,6 +61,23 @@ VERICACHE_HOST_ARGS = [*SERVER_ARGS, "--enable-vericache", "--vericache-compress
 drafter (VeriCache's default without a draft model), the full KV in host memory."""
 
 
+VARIANT_CONTEXT = 1024
+VARIANT_ARGS = [*SERVER_ARGS, "--context-length", str(VARIANT_CONTEXT),
+                "--grammar-backend", "llguidance"]
+"""One plain SGLang / VeriCache pair serves two modules' settings, a server start saved: a
+context of 1,024 tokens (test_context_boundary.py: requests ending at it) and the llguidance
+grammar backend (test_grammar_backends.py: a chat request of about 900 tokens under a grammar).
+Neither setting changes what the other module asks: its requests are unconstrained, or end
+well inside the context."""
+VARIANT_VERICACHE_ARGS = [*VARIANT_ARGS, "--enable-vericache", "--vericache-compressor",
+                          "kivi:bits=4", "--vericache-draft-length", "64",
+                          "--vericache-min-draft-length", "64", "--vericache-max-draft-length",
+                          "64"]
+"""VeriCache beside it: every round drafts 64 tokens (the default bound's widest), so every
+decode step near the context reserves the widest verify width, and every constrained request
+drafts under its grammar."""
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     """What makes two servers interchangeable: the same model, arguments, pool and environment."""
@@ -78,6 +95,12 @@ class ServerSpec:
     def process(self) -> ServerProcess:
         return ServerProcess(self.model, list(self.args), max_total_tokens=self.max_total_tokens,
                              env=dict(self.env))
+
+
+def variant_specs(model: Path) -> tuple[ServerSpec, ServerSpec]:
+    """The plain and VeriCache servers of `VARIANT_ARGS`, in that order."""
+    return (ServerSpec.of(model, VARIANT_ARGS, max_total_tokens=8192),
+            ServerSpec.of(model, VARIANT_VERICACHE_ARGS, max_total_tokens=8192))
 
 
 NEW_SERVER_BYTES = 5 << 30
