@@ -54,10 +54,13 @@ def test_only_servers_of_the_launchers_environment_are_forked(demo_model, forked
                                   "1"}).forks()
 
 
-def test_a_forked_server_that_exits_reports_its_status(demo_model):
+def test_a_forked_server_that_exits_reports_its_status(demo_model, monkeypatch):
+    """Under an environment changed since the last launcher started: a launcher of its own."""
+    monkeypatch.setenv("VERICACHE_TEST_CHANGED", "1")
     server = ServerProcess(demo_model, [*SERVER_ARGS, "--enable-vericache",
                                         "--vericache-compressor", "nonesuch"])
     with pytest.raises(ServerStartError, match="exited with status [1-9]") as error:
         server.start()
     assert isinstance(server.proc, ForkedServer)
+    assert server.proc._launcher.env["VERICACHE_TEST_CHANGED"] == "1"
     assert "nonesuch" in str(error.value)

@@ -8,10 +8,13 @@ per server: the child takes the server's environment, arguments and log file and
 real launcher's code, and SGLang spawns its scheduler and detokenizer as fresh interpreters
 (multiprocessing's spawn), exactly as it does when started from a shell.
 
-Only servers whose environment is the one this launcher imported under are forked
-(`ServerProcess` checks): a module that reads a variable at import time sees the same value.
-The protocol is one JSON line each way on the launcher's stdin and stdout; children are the
-launcher's, so it reaps them and reports their exit status.
+A launcher process forks only servers of the environment it imported SGLang under, so a
+module that reads a variable at import time sees the server's value; where the caller's
+environment has changed since (an in-process `sglang.Engine` sets SGLang's variables), the
+next server gets a launcher of its own. `ServerProcess` forks only servers that add nothing to
+its own environment but a store client's variables. The protocol is one JSON line each way on
+a launcher's stdin and stdout; children are the launcher's, so it reaps them and reports their
+exit status.
 
 Run as `python -m vericache_tools.forked_launch`; `ForkedLauncher` starts and talks to it.
 """
@@ -29,66 +32,98 @@ from pathlib import Path
 MODULE = "sglang.launch_server"
 
 
-class ForkedLauncher:
-    """One launcher process (started on first use) and the servers it forked."""
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+"""Variables that change under the tests with nothing reading them at import time (pytest
+names the running test in one)."""
 
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen | None = None
-        self._env: dict[str, str] = {}
+STORE_CLIENT_ENV = ("MOONCAKE_", "MC_")
+"""Prefixes of the variables only the Mooncake client reads, when a scheduler connects to its
+store: a server's launcher never loads it, so they may differ from the forked launcher's."""
+
+
+def same_environment(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether a launcher that imported SGLang under `a` may fork a server of `b`."""
+    def settled(env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items()
+                if k not in VOLATILE_ENV and not k.startswith(STORE_CLIENT_ENV)}
+
+    return settled(a) == settled(b)
+
+
+class _Launcher:
+    """One launcher process, and the environment it imported SGLang under."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
         self._lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env, start_new_session=True)
 
-    def env(self) -> dict[str, str]:
-        """The environment the launcher imported SGLang under (empty before it starts)."""
-        return self._env
-
-    def _ask(self, message: dict) -> dict:
+    def ask(self, message: dict) -> dict:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._env = dict(os.environ)
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, text=True, env=self._env, start_new_session=True)
-            self._proc.stdin.write(json.dumps(message) + "\n")
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the forked launcher exited")
         return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class ForkedLauncher:
+    """Launcher processes, one per environment servers were asked for (started on first use,
+    each kept until `stop`, as the servers it forked report their status through it)."""
+
+    def __init__(self) -> None:
+        self._launchers: list[_Launcher] = []
+        self._lock = threading.Lock()
+
+    def _for(self, env: dict[str, str]) -> _Launcher:
+        with self._lock:
+            for launcher in self._launchers:
+                if launcher.proc.poll() is None and same_environment(launcher.env, env):
+                    return launcher
+            self._launchers.append(_Launcher(dict(env)))
+            return self._launchers[-1]
 
     def start(self, args: list[str], env: dict[str, str], log: Path) -> ForkedServer:
         """Fork a server running `python -m sglang.launch_server ARGS` with `env`, its output
         to `log` (emptied first), in a new session (its PID is its process group, made before
         this returns)."""
         log.write_bytes(b"")
-        pid = self._ask({"op": "start", "args": args, "env": env, "log": str(log),
-                         "cwd": os.getcwd()})["pid"]
-        return ForkedServer(self, pid)
-
-    def status(self, pid: int) -> int | None:
-        """The exit status of a forked server, or None while it runs (-1: not this launcher's
-        child, so its status is unknown)."""
-        return self._ask({"op": "status", "pid": pid})["code"]
+        launcher = self._for(env)
+        pid = launcher.ask({"op": "start", "args": args, "env": env, "log": str(log),
+                            "cwd": os.getcwd()})["pid"]
+        return ForkedServer(launcher, pid)
 
     def stop(self) -> None:
-        """Stop the launcher process (its servers are stopped by their own process groups)."""
+        """Stop the launcher processes (servers are stopped by their own process groups)."""
         with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-            self._proc = None
+            for launcher in self._launchers:
+                launcher.stop()
+            self._launchers.clear()
 
 
 class ForkedServer:
     """The part of `subprocess.Popen` that `ServerProcess` uses, for a forked server."""
 
-    def __init__(self, launcher: ForkedLauncher, pid: int) -> None:
+    def __init__(self, launcher: _Launcher, pid: int) -> None:
         self._launcher = launcher
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        """The exit status, or None while it runs (-1 once its launcher is gone: unknown)."""
         if self.returncode is None:
-            self.returncode = self._launcher.status(self.pid)
+            if self._launcher.proc.poll() is not None:
+                self.returncode = -1
+            else:
+                self.returncode = self._launcher.ask({"op": "status", "pid": self.pid})["code"]
         return self.returncode
 
     def wait(self) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from vericache_tools.forked_launch import ForkedLauncher
+from vericache_tools.forked_launch import ForkedLauncher, same_environment
 
 HOST = "127.0.0.1"
 
@@ -50,20 +50,6 @@ def free_port() -> int:
                 continue
             return port
     raise ServerStartError(f"no free port in {PORTS.start}-{PORTS.stop - 1} on {HOST}")
-
-
-VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
-"""Variables that change under the tests with nothing reading them at import time (pytest
-names the running test in one)."""
-
-STORE_CLIENT_ENV = ("MOONCAKE_", "MC_")
-"""Prefixes of the variables only the Mooncake client reads, when a scheduler connects to its
-store: a server's launcher never loads it, so they may differ from the forked launcher's."""
-
-
-def _settled(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items()
-            if k not in VOLATILE_ENV and not k.startswith(STORE_CLIENT_ENV)}
 
 
 class ServerStartError(RuntimeError):
@@ -124,13 +110,10 @@ class ServerProcess:
         return self._start_once(timeout)
 
     def forks(self) -> bool:
-        """Whether `start` forks this server from `forked_launcher`: only where its
-        environment is the one the launcher imported SGLang under (a store client's variables
-        aside)."""
-        launcher = self.forked_launcher
-        if launcher is None:
-            return False
-        return _settled(self.env) == _settled(launcher.env() or dict(os.environ))
+        """Whether `start` forks this server from `forked_launcher`: where its environment is
+        this process's (a store client's variables aside), which a launcher imports under."""
+        return (self.forked_launcher is not None
+                and same_environment(self.env, dict(os.environ)))
 
     def _start_once(self, timeout: float) -> ServerProcess:
         began = time.monotonic()
