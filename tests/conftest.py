@@ -110,16 +110,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     sorts by its first test). A server takes up to 5 GB on CPU: this way they never run beside
     the Engine, launcher and HF tests of the other modules, and the pool keeps what runs within
     its memory budget (24 GB machines)."""
-    first, anchor = {}, {}
+    # Modules that share a pooled pair run next to each other (at the first one's place), or
+    # another module's servers would push the idle pair out of the pool in between.
+    anchor, rank = {}, {}
     for item in items:
-        first.setdefault(item.module, _order(item))
         group = getattr(item.module, "SHARES_SERVERS_WITH", item.module.__name__)
-        anchor.setdefault(group, len(anchor))
-    # Modules that share a pooled pair run next to each other, or another module's servers
-    # would push the idle pair out of the pool in between.
-    rank = {module: (first[module], anchor[getattr(module, "SHARES_SERVERS_WITH",
-                                                   module.__name__)])
-            for module in first}
+        rank.setdefault(item.module, (_order(item), anchor.setdefault(group, len(anchor))))
     items.sort(key=lambda item: rank[item.module])
 
 

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 MODULE = "sglang.launch_server"
@@ -127,8 +128,6 @@ class ForkedServer:
         return self.returncode
 
     def wait(self) -> int:
-        import time
-
         while self.poll() is None:
             time.sleep(0.05)
         return self.returncode
@@ -186,7 +185,7 @@ def _serve() -> None:
     exited: dict[int, int] = {}
     children: set[int] = set()
 
-    def reap(*_: object) -> None:
+    def reap() -> None:
         for pid in list(children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -213,7 +212,7 @@ def _serve() -> None:
             answer = {"pid": pid}
         else:
             pid = message["pid"]
-            # A PID it never forked (a launcher started again since): gone, as far as it knows.
+            # A PID it never forked: unknown, reported as gone.
             answer = {"code": None if pid in children else exited.get(pid, -1)}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()

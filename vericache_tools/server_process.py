@@ -64,9 +64,9 @@ class ServerProcess:
     """One SGLang server process group, usable as a context manager."""
 
     forked_launcher: ForkedLauncher | None = None
-    """Where set (the tests set it), servers whose environment is the launcher's are forked
-    from a process that has imported SGLang already (`forked_launch.py`), the rest launched
-    by `python -m sglang.launch_server` as always."""
+    """Where set (the tests set it), servers of this process's environment (`forks`) are
+    forked from a process that has imported SGLang already (`forked_launch.py`), the rest
+    launched by `python -m sglang.launch_server` as always."""
 
     def __init__(
         self,
