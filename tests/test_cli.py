@@ -4,11 +4,14 @@ scheduler does (a device budget too small for what VeriCache must keep on the de
 
 One launch per place an error is found (VeriCache's settings, SGLang settings VeriCache cannot
 honour, the disk tier's storage, the scheduler's device budget, a model whose attention VeriCache
-cannot serve exactly): each refused value is checked in-process by tests/test_config.py, and a
-launch costs ~20 s of a CI core, so they all start at once."""
+cannot serve exactly): each refused value is checked in-process by tests/test_config.py. They
+all start at once, forked from the tests' launcher (`vericache_tools/forked_launch.py`, which
+saves ~10 s of imports a launch, ~20 s where the scheduler starts), but the launcher with a
+hook more, which starts from a shell; `--help` is a user's shell launch too."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -64,26 +67,34 @@ MODEL_FAMILY = {"multi-head latent attention": "deepseek-v2"}
 
 
 
-def _launch(args: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *(launcher or ["-m", "sglang.launch_server"]), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+FROM_A_SHELL = {"hook on a function SGLang lacks": ["-c", HOOK_MISSING]}
+"""Cases launched by `python` itself, and how; the rest are forked."""
 
 
 @pytest.fixture(scope="module")
-def bad_launches(demo_model) -> dict[str, tuple[int, str]]:
-    """Start every bad launch at once (each spends ~20 s importing SGLang), then collect."""
+def bad_launches(demo_model, forked_launcher, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Start every bad launch at once, then collect each one's status and error output (a
+    forked launch writes its output and errors to one log)."""
     models = {name: build(family, demo_model) for name, family in MODEL_FAMILY.items()}
-    procs = {
-        name: _launch(["--model-path", str(models.get(name, demo_model)), "--port", "1", *args],
-                      ["-c", HOOK_MISSING] if name == "hook on a function SGLang lacks" else None)
-        for name, (args, _) in BAD_FLAGS.items()
-    }
+    logs = tmp_path_factory.mktemp("bad_launches")
+    procs = {}
+    for name, (args, _) in BAD_FLAGS.items():
+        argv = ["--model-path", str(models.get(name, demo_model)), "--port", "1", *args]
+        if name in FROM_A_SHELL:
+            procs[name] = subprocess.Popen([sys.executable, *FROM_A_SHELL[name], *argv],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True)
+        else:
+            log = logs / f"{len(procs)}.log"
+            procs[name] = (forked_launcher.start(argv, dict(os.environ), log), log)
     results = {}
     for name, proc in procs.items():
-        _, stderr = proc.communicate(timeout=300)
-        results[name] = (proc.returncode, stderr)
+        if isinstance(proc, subprocess.Popen):
+            _, stderr = proc.communicate(timeout=300)
+            results[name] = (proc.returncode, stderr)
+        else:
+            forked, log = proc
+            results[name] = (forked.wait(), log.read_text())
     return results
 
 

@@ -1,12 +1,15 @@
 """Launch `sglang.launch_server` by forking a process that has already imported it.
 
 A server start on these 2-core machines spends about 10 s in its launcher importing SGLang
-(torch, transformers, SGLang itself) before it starts its scheduler; the tests start about
-fifty servers. This launcher process imports `sglang.launch_server` once, then forks one child
-per server: the child takes the server's environment, arguments and log file and runs
-`sglang.launch_server` as `__main__`, as `python -m` does. Everything after the imports is the
-real launcher's code, and SGLang spawns its scheduler and detokenizer as fresh interpreters
-(multiprocessing's spawn), exactly as it does when started from a shell.
+(torch, transformers, SGLang itself), then about 11 s more in each of its scheduler and
+detokenizer, which SGLang starts with multiprocessing's spawn as fresh interpreters that import
+SGLang again; the tests start about fifty servers. This launcher process imports SGLang's
+launcher, scheduler, detokenizer and model registry once, then forks one child per server: the
+child takes the server's environment, arguments and log file and runs `sglang.launch_server` as
+`__main__`, as `python -m` does, with multiprocessing's start method kept at fork where SGLang
+asks for spawn, so that its scheduler and detokenizer are forks of it too. Everything after the
+imports is SGLang's own code; a server started from a shell (the CLI tests, the benchmarks, a
+user's) spawns them as SGLang chose.
 
 A launcher process forks only servers of the environment it imported SGLang under, so a
 module that reads a variable at import time sees the server's value; where the caller's
@@ -133,6 +136,20 @@ class ForkedServer:
         return self.returncode
 
 
+def _fork_what_sglang_spawns() -> None:
+    """Keep multiprocessing's start method at fork where SGLang sets spawn (its launcher does,
+    before it starts its scheduler and detokenizer): they then start from this process, their
+    modules imported, instead of importing SGLang afresh."""
+    import multiprocessing
+
+    set_start_method = multiprocessing.set_start_method
+
+    def fork_instead(method: str | None, force: bool = False) -> None:
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = fork_instead
+
+
 def _child(message: dict, session_made: int) -> None:
     """In the forked child: become the server (never returns). Its own session comes first,
     said on `session_made`, so that its process group exists by the time anyone may stop it."""
@@ -154,6 +171,7 @@ def _child(message: dict, session_made: int) -> None:
         os.chdir(message["cwd"])
         sys.argv = [MODULE, *message["args"]]
         sys.modules.pop(MODULE, None)  # run afresh as __main__, its imports already done
+        _fork_what_sglang_spawns()
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:  # as the interpreter ends: an int is the status, else printed
@@ -170,9 +188,11 @@ def _child(message: dict, session_made: int) -> None:
         os._exit(code)
 
 
-PRELOAD = (MODULE, "sglang.srt.entrypoints.http_server", "vericache_sglang.plugin")
-"""What the launcher imports before it forks: SGLang's launcher, the HTTP server it runs, and
-this project's SGLang plugin (imported only: the server's own startup registers it)."""
+PRELOAD = (MODULE, "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
+           "sglang.srt.managers.detokenizer_manager", "vericache_sglang.plugin")
+"""What the launcher imports before it forks: SGLang's launcher, the HTTP server it runs, the
+scheduler and detokenizer it starts, and this project's SGLang plugin (imported only: the
+server's own startup registers it); SGLang's model registry is filled too."""
 
 
 def _serve() -> None:
@@ -182,6 +202,9 @@ def _serve() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    from sglang.srt.models.registry import ModelRegistry
+
+    ModelRegistry.get_supported_archs()  # imports every model file, as a scheduler would
     exited: dict[int, int] = {}
     children: set[int] = set()
 
