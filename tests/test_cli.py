@@ -73,44 +73,40 @@ FROM_A_SHELL = {"hook on a function SGLang lacks": ["-c", HOOK_MISSING]}
 
 @pytest.fixture(scope="module")
 def bad_launches(demo_model, forked_launcher, tmp_path_factory) -> dict[str, tuple[int, str]]:
-    """Start every bad launch at once, then collect each one's status and error output (a
-    forked launch writes its output and errors to one log)."""
+    """Start every bad launch at once, then collect each one's status and output (its errors
+    and output in one log, as a forked launch writes them)."""
     models = {name: build(family, demo_model) for name, family in MODEL_FAMILY.items()}
     logs = tmp_path_factory.mktemp("bad_launches")
     procs = {}
     for name, (args, _) in BAD_FLAGS.items():
         argv = ["--model-path", str(models.get(name, demo_model)), "--port", "1", *args]
+        log = logs / f"{len(procs)}.log"
         if name in FROM_A_SHELL:
-            procs[name] = subprocess.Popen([sys.executable, *FROM_A_SHELL[name], *argv],
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True)
+            with log.open("w") as out:
+                proc = subprocess.Popen([sys.executable, *FROM_A_SHELL[name], *argv],
+                                        stdout=out, stderr=subprocess.STDOUT)
         else:
-            log = logs / f"{len(procs)}.log"
-            procs[name] = (forked_launcher.start(argv, dict(os.environ), log), log)
+            proc = forked_launcher.start(argv, dict(os.environ), log)
+        procs[name] = (proc, log)
     results = {}
-    for name, proc in procs.items():
-        if isinstance(proc, subprocess.Popen):
-            _, stderr = proc.communicate(timeout=300)
-            results[name] = (proc.returncode, stderr)
-        else:
-            forked, log = proc
-            results[name] = (forked.wait(), log.read_text())
+    for name, (proc, log) in procs.items():
+        results[name] = (proc.wait(timeout=300), log.read_text())
     return results
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FLAGS))
 def test_bad_flag_fails_with_one_line(bad_launches, case):
-    returncode, stderr = bad_launches[case]
-    assert returncode == 1, stderr[-2000:]
+    returncode, output = bad_launches[case]
+    assert returncode == 1, output[-2000:]
     if case == "hook on a function SGLang lacks":
         # SGLang's HookRegistry logs its own traceback for the target, then goes on.
-        assert f"Failed to apply hooks to {MISSING_TARGET}" in stderr
+        assert f"Failed to apply hooks to {MISSING_TARGET}" in output
     else:
-        assert "Traceback" not in stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("vericache: error:")]
-    assert len(errors) == 1, stderr
+        assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("vericache: error:")]
+    assert len(errors) == 1, output
     assert BAD_FLAGS[case][1] in errors[0]
-    assert stderr.rstrip().splitlines()[-1] == errors[0]
+    assert output.rstrip().splitlines()[-1] == errors[0]
 
 
 def test_help_lists_vericache_flags():

@@ -8,8 +8,8 @@ launcher, scheduler, detokenizer and model registry once, then forks one child p
 child takes the server's environment, arguments and log file and runs `sglang.launch_server` as
 `__main__`, as `python -m` does, with multiprocessing's start method kept at fork where SGLang
 asks for spawn, so that its scheduler and detokenizer are forks of it too. Everything after the
-imports is SGLang's own code; a server started from a shell (the CLI tests, the benchmarks, a
-user's) spawns them as SGLang chose.
+imports is SGLang's own code; a server started from a shell (`python -m bench`, the demo, a
+user's, the tests' servers of other environments) spawns them as SGLang chose.
 
 A launcher process forks only servers of the environment it imported SGLang under, so a
 module that reads a variable at import time sees the server's value; where the caller's
@@ -130,8 +130,12 @@ class ForkedServer:
                 self.returncode = self._launcher.ask({"op": "status", "pid": self.pid})["code"]
         return self.returncode
 
-    def wait(self) -> int:
+    def wait(self, timeout: float | None = None) -> int:
+        """As `Popen.wait`: the exit status, `subprocess.TimeoutExpired` after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(MODULE, timeout)
             time.sleep(0.05)
         return self.returncode
 
